@@ -1,0 +1,135 @@
+"""The torch.compile backend: options, the partition hook, the inner compiler, the fallback."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckpt_fx import policies
+from passes import Plan
+from passes import pipeline
+from passes._compat import RECOMPUTE_KEY, aot_autograd, boxed_nop, default_partition
+
+log = logging.getLogger("ckpt_fx")
+
+COMPILERS = ("eager",)
+OPTION_KEYS = ("policy", "compiler", "strict")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """What backend="ckpt" does; validated at construction, before any tracing."""
+
+    policy: policies.Policy = field(default_factory=policies.blocks)
+    """What to save and what to recompute (see ckpt_fx.policies)."""
+    compiler: str = "eager"
+    """Inner compiler for the partitioned graphs: "eager" (FX graphs run as Python)."""
+    strict: bool = False
+    """Raise instead of falling back to AOTAutograd's default partition when a pass fails."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.policy):
+            raise ValueError(f"policy must be callable, got {self.policy!r}")
+        if self.compiler == "inductor":
+            raise ValueError(
+                "compiler='inductor' is not supported yet: Inductor would reorder the backward and undo "
+                "the just-in-time recompute; use compiler='eager'"
+            )
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"unknown compiler {self.compiler!r}; valid: {', '.join(map(repr, COMPILERS))}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict must be True or False, got {self.strict!r}")
+
+    @staticmethod
+    def from_mapping(options: dict[str, Any] | None) -> Options:
+        """Options from torch.compile(..., options={...}); unknown keys raise ValueError."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(OPTION_KEYS))
+        if unknown:
+            raise ValueError(f"unknown ckpt option(s) {unknown}; valid: {', '.join(OPTION_KEYS)}")
+        if "policy" in options:
+            options["policy"] = policies.parse(options["policy"])
+        return Options(**options)
+
+
+class CkptBackend:
+    """A torch.compile backend; keeps the Plan of every graph it compiled in `plans`."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.plans: list[Plan] = []
+
+    def __repr__(self) -> str:
+        return f"ckpt_fx.backend(policy={policies.policy_name(self.options.policy)}, compiler={self.options.compiler!r})"
+
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        """AOTAutograd's partition_fn: our pipeline, or the default partition with one warning."""
+        name = policies.policy_name(self.options.policy)
+        try:
+            fw, bw, plan = pipeline.run(
+                joint,
+                joint_inputs,
+                policy=self.options.policy,
+                policy_name=name,
+                num_fwd_outputs=kwargs["num_fwd_outputs"],
+                static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+            )
+        except Exception as error:
+            if self.options.strict:
+                raise
+            for node in joint.graph.nodes:
+                node.meta.pop(RECOMPUTE_KEY, None)
+            warnings.warn(
+                f"ckpt_fx: falling back to AOTAutograd's default partition (no checkpointing) for this graph: {error}",
+                stacklevel=2,
+            )
+            fw, bw = default_partition(
+                joint,
+                joint_inputs,
+                num_fwd_outputs=kwargs["num_fwd_outputs"],
+                static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+            )
+            plan = None
+        if plan is not None:
+            self.plans.append(plan)
+            log.info(
+                "ckpt_fx: %s: saved %.1f MB, recompute %d ops (%.2f GFLOP), predicted peak %.1f MB",
+                name,
+                plan.saved_bytes / 2**20,
+                len(plan.recomputed),
+                plan.recompute_flops / 1e9,
+                plan.peak_bytes / 2**20,
+            )
+        return fw, bw
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        return aot_autograd(
+            fw_compiler=boxed_nop,
+            bw_compiler=boxed_nop,
+            partition_fn=self.partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+
+def backend(
+    *, policy: policies.Policy | str | None = None, compiler: str = "eager", strict: bool = False
+) -> CkptBackend:
+    """A torch.compile backend that checkpoints by `policy`; validates everything now.
+
+    >>> compiled = torch.compile(model, backend=ckpt_fx.backend(policy="segments:4"))
+    """
+    return CkptBackend(Options(policy=policies.parse(policy), compiler=compiler, strict=strict))
+
+
+def ckpt(gm: torch.fx.GraphModule, example_inputs: list[Any], *, options: dict[str, Any] | None = None, **unused: Any):
+    """The backend registered as "ckpt" (entry point torch_dynamo_backends)."""
+    if unused:
+        raise ValueError(
+            f"backend='ckpt' takes its settings through options={{...}}, not {sorted(unused)} "
+            f"(mode= is not supported); valid option keys: {', '.join(OPTION_KEYS)}"
+        )
+    return CkptBackend(Options.from_mapping(options))(gm, example_inputs)

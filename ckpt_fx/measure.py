@@ -1,0 +1,36 @@
+"""Measured peak memory of a piece of work: the profiler on CPU, the allocator's counter on CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def peak_bytes(fn: Callable[[], object], *, device: str | torch.device = "cpu") -> int:
+    """Run fn once and return the peak of tensor bytes allocated above what was live before it.
+
+    CPU: the profiler's memory events sorted by time; the running sum of their sizes has a maximum.
+    CUDA: torch.cuda.max_memory_allocated() above the allocation at the start.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    if device.type != "cpu":
+        raise ValueError(f"peak_bytes: device must be 'cpu' or 'cuda', got {device}")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    running = peak = 0
+    for event in events:
+        running += event.nbytes()
+        peak = max(peak, running)
+    return peak

@@ -1,0 +1,193 @@
+"""Checkpoint policies: callables `policy(node_info) -> CheckpointPolicy`, and their string forms.
+
+    blocks(every=1, skip_first=1)   "blocks", "blocks:4", "blocks:every=2,skip_first=0"
+    segments(size, skip_first=0)    "segments:4"
+    sqrt(skip_first=0)              "sqrt"
+    none()                          "none"
+    only_in(patterns, policy)       checkpoint only inside module paths matching the patterns
+
+A checkpointed unit (a block, or a segment of consecutive blocks) saves only what leaves it (its
+output, which is the next unit's input) and recomputes its insides in the backward. Embeddings and
+anything outside the stacks of repeated blocks are never recomputed by these policies.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+from passes import NodeInfo, Policy
+from passes._compat import CheckpointPolicy
+from passes.regions import Block
+
+__all__ = ["CheckpointPolicy", "NodeInfo", "Policy", "blocks", "none", "only_in", "parse", "segments", "sqrt"]
+
+SAVE = CheckpointPolicy.PREFER_SAVE
+BOUNDARY = CheckpointPolicy.MUST_SAVE
+RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+
+FORMS = (
+    '"blocks"',
+    '"blocks:N"',
+    '"blocks:every=N,skip_first=K"',
+    '"segments:N"',
+    '"segments:size=N,skip_first=K"',
+    '"sqrt"',
+    '"none"',
+    "a callable (node_info) -> CheckpointPolicy",
+)
+
+
+def _int(name: str, value: object, *, minimum: int, factory: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{factory}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{factory}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _named(policy: Policy, spec: str) -> Policy:
+    policy.__name__ = spec
+    policy.__qualname__ = spec
+    policy.spec = spec  # type: ignore[attr-defined]
+    return policy
+
+
+def _units(unit_of: Callable[[Block], Hashable | None]) -> Callable[[NodeInfo], CheckpointPolicy]:
+    """A policy that recomputes the insides of every unit for which unit_of returns a key."""
+
+    def policy(info: NodeInfo) -> CheckpointPolicy:
+        if info.region != "block" or info.block is None:
+            return SAVE
+        unit = unit_of(info.block)
+        if unit is None:
+            return SAVE
+        for user in info.user_blocks:
+            if user is None or unit_of(user) != unit:
+                return BOUNDARY  # leaves the unit: the next unit's input
+        return RECOMPUTE
+
+    return policy
+
+
+def blocks(*, every: int = 1, skip_first: int = 1) -> Policy:
+    """Checkpoint block i when i >= skip_first and i % every == 0 (i counts all blocks from 0).
+
+    every=1 checkpoints every block after the first skip_first; every=4 is the familiar
+    `if i > 0 and i % 4 == 0: checkpoint(layer)` loop.
+    """
+    every = _int("every", every, minimum=1, factory="blocks")
+    skip_first = _int("skip_first", skip_first, minimum=0, factory="blocks")
+
+    def unit_of(block: Block) -> Hashable | None:
+        i = block.number
+        return i if i >= skip_first and i % every == 0 else None
+
+    return _named(_units(unit_of), f"blocks(every={every}, skip_first={skip_first})")
+
+
+def segments(*, size: int, skip_first: int = 0) -> Policy:
+    """Group consecutive blocks of a stack into segments of `size`; save only each segment's input.
+
+    32 blocks with size=4 make 8 segments. The first skip_first blocks are never recomputed.
+    """
+    size = _int("size", size, minimum=1, factory="segments")
+    skip_first = _int("skip_first", skip_first, minimum=0, factory="segments")
+
+    def unit_of(block: Block) -> Hashable | None:
+        if block.number < skip_first:
+            return None
+        return (block.stack, (block.index - min(skip_first, block.index)) // size)
+
+    return _named(_units(unit_of), f"segments(size={size}, skip_first={skip_first})")
+
+
+def sqrt(*, skip_first: int = 0) -> Policy:
+    """Segments of about sqrt(L) blocks, L being the length of each stack (Chen et al. 2016)."""
+    skip_first = _int("skip_first", skip_first, minimum=0, factory="sqrt")
+
+    def unit_of(block: Block) -> Hashable | None:
+        if block.number < skip_first:
+            return None
+        size = max(1, round(math.sqrt(block.stack_len)))
+        return (block.stack, (block.index - min(skip_first, block.index)) // size)
+
+    return _named(_units(unit_of), f"sqrt(skip_first={skip_first})")
+
+
+def none() -> Policy:
+    """No checkpointing: save what the backward needs, as AOTAutograd's default partition does."""
+
+    def policy(info: NodeInfo) -> CheckpointPolicy:
+        return SAVE
+
+    return _named(policy, "none()")
+
+
+def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
+    """Apply `policy` to nodes whose module path matches a pattern (fnmatch, e.g. "model.layers.*"),
+    save everything else. A pattern also matches everything beneath the path it names."""
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    patterns = tuple(patterns)
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"only_in: patterns must be non-empty strings, got {patterns!r}")
+    inner = parse(policy)
+
+    def matches(path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*") for p in patterns)
+
+    def combined(info: NodeInfo) -> CheckpointPolicy:
+        return inner(info) if matches(info.module_path) else SAVE
+
+    return _named(combined, f"only_in({list(patterns)!r}, {policy_name(inner)})")
+
+
+def policy_name(policy: Policy) -> str:
+    """A stable description of a policy (used in logs, plans and cache keys)."""
+    return getattr(policy, "spec", None) or getattr(policy, "__qualname__", None) or repr(policy)
+
+
+def _kwargs(factory: str, text: str, positional: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        key, eq, value = part.partition("=")
+        key, value = (key.strip(), value.strip()) if eq else (positional, key.strip())
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ValueError(f"policy {factory!r}: {key}={value!r} is not an integer") from None
+    return out
+
+
+def parse(spec: str | Policy | None) -> Policy:
+    """A policy from a string, a callable or None (the default, "blocks").
+
+    Raises ValueError naming the bad value and listing the valid forms.
+    """
+    if spec is None:
+        return blocks()
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"policy must be a string or a callable, got {spec!r}; valid forms: {', '.join(FORMS)}")
+    name, _, args = spec.strip().partition(":")
+    name = name.strip().lower()
+    factories = {"blocks": (blocks, "every"), "segments": (segments, "size"), "sqrt": (sqrt, None), "none": (none, None)}
+    if name not in factories:
+        hint = [k for k in factories if k.startswith(name[:2])] if name else []
+        did = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ValueError(f"unknown policy {spec!r}{did}; valid forms: {', '.join(FORMS)}")
+    factory, positional = factories[name]
+    if not args:
+        if name == "segments":
+            raise ValueError(f"policy 'segments' needs a size, e.g. \"segments:4\"; valid forms: {', '.join(FORMS)}")
+        return factory()
+    if positional is None and "=" not in args:
+        raise ValueError(f"policy {name!r} takes no positional argument, got {spec!r}; valid forms: {', '.join(FORMS)}")
+    kwargs = _kwargs(name, args, positional or "")
+    try:
+        return factory(**kwargs)
+    except TypeError:
+        raise ValueError(f"policy {spec!r}: unknown argument in {sorted(kwargs)}; valid forms: {', '.join(FORMS)}") from None

@@ -1,0 +1,10 @@
+"""FX graph passes for activation checkpointing. Imports torch, never ckpt_fx.
+
+The pipeline (passes.pipeline.PASSES) runs regions -> costs -> select -> partition -> schedule ->
+memory over a joint forward/backward graph traced by AOTAutograd.
+"""
+
+from passes.memory import BlockPlan, Plan, SavedTensor
+from passes.select import NodeInfo, Policy
+
+__all__ = ["BlockPlan", "NodeInfo", "Plan", "Policy", "SavedTensor"]

