@@ -11,7 +11,7 @@ from ckpt_fx import policies
 from ckpt_fx.backend import CkptBackend, Options, backend
 from ckpt_fx.measure import peak_bytes
 from ckpt_fx.rewrite import RewrittenGraphModule, rewrite_graph
-from passes import BlockPlan, NodeInfo, Plan, SavedTensor
+from passes import BlockPlan, NodeInfo, Plan, SavedTensor, step_peak_bytes
 from passes._compat import CheckpointPolicy
 
 logging.getLogger("ckpt_fx").addHandler(logging.NullHandler())
@@ -29,5 +29,6 @@ __all__ = [
     "peak_bytes",
     "policies",
     "rewrite_graph",
+    "step_peak_bytes",
 ]
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@ The pipeline (passes.pipeline.PASSES) runs regions -> costs -> select -> partiti
 memory over a joint forward/backward graph traced by AOTAutograd.
 """
 
-from passes.memory import BlockPlan, Plan, SavedTensor
+from passes.memory import BlockPlan, Plan, SavedTensor, step_peak_bytes
 from passes.select import NodeInfo, Policy
 
-__all__ = ["BlockPlan", "NodeInfo", "Plan", "Policy", "SavedTensor"]
+__all__ = ["BlockPlan", "NodeInfo", "Plan", "Policy", "SavedTensor", "step_peak_bytes"]

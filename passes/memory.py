@@ -58,6 +58,10 @@ class Plan:
     recompute_flops: int
     forward_peak_bytes: int
     backward_peak_bytes: int
+    forward_end_bytes: int = 0
+    """Bytes the forward leaves allocated: saved activations and outputs."""
+    gradient_bytes: int = 0
+    """Bytes of the gradients the backward returns."""
     hard_rules: dict[str, str] = field(default_factory=dict)
     """Nodes no policy may recompute, with why (random, mutation, ...)."""
     top_level_units: bool = False
@@ -151,6 +155,7 @@ def memory_pass(
                 is_input=isinstance(key_of[node], tuple),
             )
         )
+    forward_end = sum(fw_live.values())
     saved_keys = {key_of[n] for n in saved_nodes}
     saved_bytes = sum(fw_live.get(k, 0) for k in saved_keys)
 
@@ -172,6 +177,8 @@ def memory_pass(
         if key not in pinned and key not in bw_key.values():
             bw_live.pop(key)  # forward values nobody holds any more
     bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned)
+    bw_out = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
+    grads = {bw_key[a]: bw_live.get(bw_key[a], 0) for a in bw_out.args[0] if isinstance(a, torch.fx.Node)}
 
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
     per_block: dict[str, list[int]] = {}
@@ -199,6 +206,8 @@ def memory_pass(
         recompute_flops=flops,
         forward_peak_bytes=fw_peak,
         backward_peak_bytes=bw_peak,
+        forward_end_bytes=forward_end,
+        gradient_bytes=sum(grads.values()),
         hard_rules=dict(hard_rules or {}),
         top_level_units=top_level_units,
     )
@@ -206,3 +215,15 @@ def memory_pass(
 
 def _symbolic(value: torch.Tensor) -> bool:
     return any(not isinstance(d, int) for d in value.shape)
+
+
+def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:
+    """Predicted peak of a training step through several graphs (graph breaks), run forward in
+    order and backward in reverse: while graph i runs, every earlier graph's forward leftovers
+    and every later graph's gradients are live as well."""
+    peak = 0
+    for i, plan in enumerate(plans):
+        before = sum(p.forward_end_bytes for p in plans[:i])
+        after = sum(p.gradient_bytes for p in plans[i + 1 :])
+        peak = max(peak, before + plan.forward_peak_bytes, before + after + plan.backward_peak_bytes)
+    return peak

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from passes.costs import costs_pass
+from passes.dropout import dropout_pass
 from passes.memory import Plan, memory_pass
 from passes.partition import partition_pass
 from passes.regions import forward_nodes, regions_pass
@@ -17,7 +18,7 @@ from passes.select import Policy, select_pass
 
 log = logging.getLogger("ckpt_fx")
 
-PASSES = ("regions", "costs", "select", "partition", "schedule", "memory")
+PASSES = ("dropout", "regions", "costs", "select", "partition", "schedule", "memory")
 
 
 class PassError(RuntimeError):
@@ -38,7 +39,7 @@ def run(
     static_lifetime_input_indices: list[int] | None = None,
     dump: Callable[[str, str, torch.fx.GraphModule], None] | None = None,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
-    """regions -> costs -> select -> partition -> schedule -> memory; returns (fw, bw, plan).
+    """dropout -> regions -> costs -> select -> partition -> schedule -> memory; returns (fw, bw, plan).
 
     `dump(pass_name, "before"|"after", gm)`, when given, sees each pass's graph.
     """
@@ -57,6 +58,7 @@ def run(
         timings[name] = time.perf_counter() - start
         return result
 
+    step("dropout", lambda: dropout_pass(joint), joint)
     region_map = step("regions", lambda: regions_pass(joint), joint)
     step("costs", lambda: costs_pass(joint), joint)
     forced = step("select", lambda: select_pass(joint, policy=policy), joint)
