@@ -1,0 +1,124 @@
+"""Small configurable models and a training-step harness shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """A random architecture: what each block contains and how big it is."""
+
+    depth: int = 3
+    width: int = 16
+    heads: int = 2
+    embedding: bool = True
+    attention: str = "manual"  # "manual", "sdpa" or "none"
+    mlp: bool = True
+    norm: bool = True
+    residual: bool = True
+    dropout: float = 0.0
+    batchnorm: bool = False
+
+
+class Block(nn.Module):
+    def __init__(self, s: Spec):
+        super().__init__()
+        self.s = s
+        d = s.width
+        self.norm = nn.LayerNorm(d) if s.norm else nn.Identity()
+        if s.attention != "none":
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+        if s.mlp:
+            self.fc = nn.Linear(d, 2 * d)
+            self.fc2 = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(s.dropout)
+        self.bn = nn.BatchNorm1d(d) if s.batchnorm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        b, t, d = x.shape
+        h = self.norm(x)
+        if s.attention != "none":
+            q, k, v = (z.view(b, t, s.heads, d // s.heads).transpose(1, 2) for z in self.qkv(h).split(d, dim=2))
+            if s.attention == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                w = (q @ k.transpose(-2, -1)) / math.sqrt(d // s.heads)
+                w = self.drop(w.softmax(-1))
+                y = w @ v
+            h = self.proj(y.transpose(1, 2).reshape(b, t, d))
+        if s.mlp:
+            h = self.fc2(self.drop(F.gelu(self.fc(h))))
+        if self.bn is not None:
+            h = self.bn(h.reshape(b * t, d)).reshape(b, t, d)
+        return x + h if s.residual else h
+
+
+class Net(nn.Module):
+    def __init__(self, s: Spec, vocab: int = 50):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, s.width) if s.embedding else nn.Linear(s.width, s.width)
+        self.layers = nn.ModuleList(Block(s) for _ in range(s.depth))
+        self.head = nn.Linear(s.width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def make(spec: Spec, *, seed: int = 0, device: str = "cpu") -> Net:
+    torch.manual_seed(seed)
+    return Net(spec).to(device).train()
+
+
+def inputs(spec: Spec, batch: int, seq: int, *, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if spec.embedding:
+        return torch.randint(0, 50, (batch, seq), generator=g).to(device)
+    return torch.randn(batch, seq, spec.width, generator=g).to(device)
+
+
+@dataclass
+class Step:
+    """What one training step produced."""
+
+    out: torch.Tensor
+    grads: list[torch.Tensor | None]
+    buffers: list[torch.Tensor]
+    model: nn.Module
+
+
+def train_step(model: nn.Module, x: torch.Tensor, backend=None, *, seed: int = 7) -> Step:
+    """One forward and backward on a fresh copy of `model` (compiled with `backend` if given)."""
+    m = copy.deepcopy(model)
+    fn = torch.compile(m, backend=backend) if backend is not None else m
+    torch.manual_seed(seed)
+    out = fn(x)
+    (out.float().sin().sum()).backward()
+    return Step(out=out.detach(), grads=[p.grad for p in m.parameters()], buffers=[b.clone() for b in m.buffers()], model=m)
+
+
+def bitwise_equal(a: Step, b: Step) -> bool:
+    return (
+        torch.equal(a.out, b.out)
+        and all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a.grads, b.grads))
+        and all(torch.equal(x, y) for x, y in zip(a.buffers, b.buffers))
+    )
+
+
+def close(a: Step, b: Step, *, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    return (
+        torch.allclose(a.out, b.out, rtol=rtol, atol=atol)
+        and all(torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a.grads, b.grads) if x is not None)
+        and all(torch.allclose(x.float(), y.float(), rtol=rtol, atol=atol) for x, y in zip(a.buffers, b.buffers))
+    )

@@ -1,0 +1,31 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+
+# CI: a fixed, derandomized set of examples. CKPT_FX_HYPOTHESIS=large: ten times as many, random.
+settings.register_profile(
+    "ci", max_examples=12, derandomize=True, deadline=None, print_blob=True,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking recompiles many times: report as found
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "large", max_examples=120, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile(os.environ.get("CKPT_FX_HYPOTHESIS", "ci"))
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
