@@ -48,6 +48,10 @@ def _flat_output_module(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     result = graph.graph_copy(gm.graph, env)
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.out_spec is not None:
+        # torch.export's modules unflatten their flat outputs in generated code.
+        result = pytree.tree_unflatten(list(result), info.out_spec)
     leaves, spec = pytree.tree_flatten(result)
     graph.output(tuple(leaf for leaf in leaves if isinstance(leaf, torch.fx.Node)))
     return torch.fx.GraphModule(gm, graph), spec, leaves
@@ -71,6 +75,14 @@ def rewrite_graph(
         raise ValueError(f"rewrite_graph takes a torch.fx.GraphModule, got {type(gm).__name__}; "
                          "use torch.fx.symbolic_trace(model) or torch.export.export(model, args).module()")
     options = Options(policy=policies.parse(policy), strict=strict)
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        flat_inputs = pytree.tree_flatten((tuple(example_inputs), {}))[1]
+        if info.in_spec != flat_inputs:
+            raise ValueError(
+                "rewrite_graph supports torch.export modules called with positional tensors only; "
+                f"this one expects inputs shaped {info.in_spec}"
+            )
     example_inputs = list(example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(example_inputs) != len(placeholders):

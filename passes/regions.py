@@ -22,7 +22,8 @@ PATH_KEY = "ckpt_fx.module_path"
 # integers and are instances of one class: HF's model.layers.N, transformer.h.N, encoder.layer.N,
 # blocks.N, or a plain nn.Sequential at the top. A model may have several stacks (an encoder and a
 # decoder); a stack nested inside a member of another (experts inside a block) is not a stack of
-# its own. Blocks are numbered in the order the forward first reaches them, across all stacks.
+# its own. Blocks are numbered by their index in the path, stacks following each other in the
+# order the forward first reaches them.
 # A model with no stack uses its top-level children as units, and says so once.
 
 
@@ -39,7 +40,8 @@ class Block:
     stack_len: int
     """Number of members of its stack seen in this graph."""
     number: int
-    """Position among all units of the graph, from 0, in forward order."""
+    """Position among all units of the model, from 0: its index plus the lengths of the stacks
+    before it in this graph."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,15 +185,27 @@ def regions_pass(gm: torch.fx.GraphModule) -> RegionMap:
         unit_of[node] = unit
         if unit is not None and unit not in order:
             order.append(unit)
-    stack_members: dict[str, list[str]] = {}
-    for unit in order:
-        stack_members.setdefault(unit.rpartition(".")[0] if not top_level else "", []).append(unit)
+    # A member's index comes from its path, so a graph that starts mid-stack (after a graph
+    # break) still numbers its blocks as the model does.
+    index_of: dict[str, int] = {}
+    stack_len: dict[str, int] = {}
+    for position, unit in enumerate(order):
+        stack, _, last = unit.rpartition(".")
+        stack = "" if top_level else stack
+        index_of[unit] = position if top_level else int(last)
+        stack_len[stack] = max(stack_len.get(stack, 0), index_of[unit] + 1)
+    offsets: dict[str, int] = {}
+    for stack in stack_len:
+        offsets[stack] = sum(stack_len[s] for s in offsets)
     blocks = {}
-    for number, unit in enumerate(order):
-        stack = unit.rpartition(".")[0] if not top_level else ""
-        members = stack_members[stack]
+    for unit in order:
+        stack = "" if top_level else unit.rpartition(".")[0]
         blocks[unit] = Block(
-            path=unit, stack=stack, index=members.index(unit), stack_len=len(members), number=number
+            path=unit,
+            stack=stack,
+            index=index_of[unit],
+            stack_len=stack_len[stack],
+            number=offsets[stack] + index_of[unit],
         )
 
     for node in gm.graph.nodes:

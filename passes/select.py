@@ -65,10 +65,13 @@ def hard_rule(node: torch.fx.Node) -> str | None:
         return "effectful"
     if node.is_impure():
         return "impure"
-    # The source of a mutation of an input (BatchNorm's running stats): copy_ it exactly once.
-    for user in node.users:
-        if user.target is torch.ops.aten.copy_.default and user.args[1] is node:
-            return "mutation source"
+    # The source of a mutation of an input (BatchNorm's running stats), or a tuple one element
+    # of which is: the op runs exactly once, in the forward.
+    outputs = [u for u in node.users if u.target is operator.getitem] or [node]
+    for out in outputs:
+        for user in out.users:
+            if user.target is torch.ops.aten.copy_.default and user.args[1] is out:
+                return "mutation source"
     return None
 
 

@@ -1,0 +1,142 @@
+"""backend="ckpt": the entry point, options, logging, inference, and the fallback."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+import ckpt_fx
+from tests._models import Spec, close, inputs, make, train_step
+
+SPEC = Spec(depth=3, width=16, dropout=0.1)
+
+
+def test_entry_point_is_registered_once():
+    eps = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "ckpt"]
+    assert [ep.value for ep in eps] == ["ckpt_fx.backend:ckpt"]
+
+
+def test_backend_string_works_without_importing_ckpt_fx():
+    """A fresh interpreter finds backend="ckpt" through the entry point alone."""
+    code = textwrap.dedent("""
+        import sys, torch
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+        x = torch.randn(4, 8)
+        out = torch.compile(model, backend="ckpt", options={"policy": "blocks:every=1,skip_first=0"})(x)
+        out.sum().backward()
+        assert "ckpt_fx" in sys.modules
+        print("ok", model[0][0].weight.grad.shape)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ok torch.Size([8, 8])" in done.stdout
+
+
+def test_options_through_torch_compile():
+    model, x = make(SPEC), inputs(SPEC, 2, 6)
+    got = train_step(model, x, "ckpt")  # default options
+    assert close(got, train_step(model, x))
+    torch._dynamo.reset()
+    fn = torch.compile(make(SPEC), backend="ckpt", options={"policy": "segments:2", "compiler": "eager", "strict": True})
+    fn(x).sum().backward()
+
+
+def test_bad_option_through_torch_compile_names_it():
+    fn = torch.compile(make(SPEC), backend="ckpt", options={"policy": "blocks:0"})
+    with pytest.raises(Exception, match="every must be >= 1, got 0"):
+        fn(inputs(SPEC, 2, 6))
+
+
+def test_failing_pass_falls_back_with_one_warning_and_exact_gradients():
+    """A policy that breaks makes the graph compile with the default partition and one warning."""
+
+    def broken(info):
+        raise KeyError("no such thing")
+
+    model, x = make(SPEC), inputs(SPEC, 2, 6)
+    b = ckpt_fx.backend(policy=broken)
+    with pytest.warns(UserWarning, match="falling back to AOTAutograd's default partition.*pass 'select' failed.*no such thing"):
+        got = train_step(model, x, b)
+    assert not b.plans
+    assert close(got, train_step(model, x))
+
+
+def test_strict_raises_naming_the_pass():
+    def broken(info):
+        raise KeyError("no such thing")
+
+    with pytest.raises(Exception, match="ckpt_fx pass 'select' failed: KeyError: 'no such thing'"):
+        train_step(make(SPEC), inputs(SPEC, 2, 6), ckpt_fx.backend(policy=broken, strict=True))
+
+
+def test_inference_does_no_partitioning():
+    b = ckpt_fx.backend()
+    fn = torch.compile(make(SPEC).eval(), backend=b)
+    with torch.no_grad():
+        fn(inputs(SPEC, 2, 6))
+    assert b.plans == []
+
+
+def test_one_info_line_per_compiled_graph(caplog):
+    b = ckpt_fx.backend(policy="blocks")
+    with caplog.at_level(logging.INFO, logger="ckpt_fx"):
+        train_step(make(SPEC), inputs(SPEC, 2, 6), b)
+    lines = [r.getMessage() for r in caplog.records if r.name == "ckpt_fx" and r.levelno == logging.INFO]
+    assert len(lines) == len(b.plans) == 1
+    assert "blocks(every=1, skip_first=1): saved" in lines[0] and "predicted peak" in lines[0]
+
+
+def test_graph_breaks_plan_every_graph_with_right_block_numbers():
+    """A graph break in the middle of the stack: each graph is planned, block paths stay absolute."""
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = make(Spec(depth=4, width=16))
+
+        def forward(self, x):
+            h = self.net.embed(x)
+            for layer in self.net.layers[:2]:
+                h = layer(h)
+            torch._dynamo.graph_break()
+            for layer in self.net.layers[2:]:
+                h = layer(h)
+            return self.net.head(h)
+
+    model = Broken()
+    x = inputs(Spec(), 2, 6)
+    b = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", strict=True)
+    got = train_step(model, x, b)
+    assert close(got, train_step(model, x))
+    paths = [[bp.path for bp in plan.blocks if bp.recomputed_ops] for plan in b.plans]
+    assert paths == [["net.layers.0", "net.layers.1"], ["net.layers.2", "net.layers.3"]]
+
+
+def test_skip_first_counts_blocks_of_the_model_not_of_the_graph():
+    """After a graph break, the second graph's first block is block 2, and blocks(skip_first=1)
+    checkpoints it."""
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = make(Spec(depth=4, width=16))
+
+        def forward(self, x):
+            h = self.net.embed(x)
+            for layer in self.net.layers[:2]:
+                h = layer(h)
+            torch._dynamo.graph_break()
+            for layer in self.net.layers[2:]:
+                h = layer(h)
+            return self.net.head(h)
+
+    b = ckpt_fx.backend(policy="blocks", strict=True)
+    train_step(Broken(), inputs(Spec(), 2, 6), b)
+    paths = [[bp.path for bp in plan.blocks if bp.recomputed_ops] for plan in b.plans]
+    assert paths == [["net.layers.1"], ["net.layers.2", "net.layers.3"]]

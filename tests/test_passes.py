@@ -1,0 +1,144 @@
+"""select, schedule and memory passes: hard rules, just-in-time order, predicted vs measured peak."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ckpt_fx
+from ckpt_fx import CheckpointPolicy
+from passes.memory import _walk
+from passes.regions import forward_nodes
+from passes.schedule import first_use_distance, schedule_pass
+from passes.select import REASON_KEY
+from tests._models import Spec, inputs, make, train_step
+
+
+def recompute_everything(info):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+class Capture:
+    """A ckpt backend that keeps the joint graph (with decisions) and the backward it produced."""
+
+    def __init__(self, policy):
+        self.backend = ckpt_fx.backend(policy=policy, strict=True)
+        self.joints, self.backwards = [], []
+        inner = self.backend.partition
+
+        def partition(joint, joint_inputs, **kwargs):
+            fw, bw = inner(joint, joint_inputs, **kwargs)
+            self.joints.append(joint)
+            self.backwards.append(bw)
+            return fw, bw
+
+        self.backend.partition = partition
+
+
+def test_hard_rules_beat_a_policy_that_recomputes_everything():
+    """Dropout masks and BatchNorm's running-stat updates are saved whatever the policy says,
+    and the gradients stay equal to eager's."""
+    spec = Spec(depth=2, width=8, dropout=0.5, batchnorm=True)
+    model, x = make(spec), inputs(spec, 2, 4)
+    cap = Capture(recompute_everything)
+    got = train_step(model, x, cap.backend)
+    eager = train_step(model, x)
+    reasons = {n.meta.get(REASON_KEY) for n in cap.joints[0].graph.nodes}
+    assert "random (tuple element)" in reasons  # native_dropout's mask
+    assert "mutation source (tuple element)" in reasons  # BatchNorm's new running stats, copied into the buffers
+    assert all(n.meta.get(REASON_KEY) != "policy" or n.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+               for n in cap.joints[0].graph.nodes if n.op == "call_function" and n in set(forward_nodes(cap.joints[0].graph)))
+    for n in cap.backwards[0].graph.nodes:
+        if isinstance(n.target, torch._ops.OpOverload):
+            assert torch.Tag.nondeterministic_seeded not in n.target.tags
+            assert n.target is not torch.ops.aten._native_batch_norm_legit_functional.default
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got.grads, eager.grads))
+    assert all(torch.equal(a, b) for a, b in zip(got.buffers, eager.buffers))
+
+
+def test_a_policy_returning_garbage_is_named():
+    spec = Spec(depth=2, width=8)
+    model, x = make(spec), inputs(spec, 2, 4)
+    with pytest.raises(Exception, match="must return a torch.utils.checkpoint.CheckpointPolicy"):
+        train_step(model, x, ckpt_fx.backend(policy=lambda info: True, strict=True))
+
+
+def _recompute_first(bw: torch.fx.GraphModule, recomputed: set[str]) -> torch.fx.GraphModule:
+    """The naive order: every recomputed node before any gradient node."""
+    nodes = list(bw.graph.nodes)
+    graph = torch.fx.Graph()
+    env = {}
+    order = [n for n in nodes if n.op == "placeholder"] + [n for n in nodes if n.name in recomputed] + [
+        n for n in nodes if n.op != "placeholder" and n.name not in recomputed]
+    for n in order:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    return torch.fx.GraphModule(bw, graph)
+
+
+def test_schedule_recomputes_each_block_just_before_its_gradients():
+    """From the recompute-first order, schedule_pass brings each recomputed value next to its
+    first use and the simulated backward peak falls (Note [Just-in-time recompute])."""
+    spec = Spec(depth=6, width=32)
+    model, x = make(spec), inputs(spec, 4, 32)
+    cap = Capture("blocks:every=1,skip_first=0")
+    train_step(model, x, cap.backend)
+    bw = cap.backwards[0]
+    recomputed = set(cap.backend.plans[0].recomputed)
+    assert len(recomputed) > 20
+    naive = _recompute_first(bw, recomputed)
+    scheduled = schedule_pass(naive, recomputed=recomputed)
+
+    def peak(gm):
+        live = {n: 0 for n in gm.graph.nodes if n.op == "placeholder"}
+        return _walk(gm.graph, live=dict(live), key_of={}, pinned=set())
+
+    assert first_use_distance(scheduled, recomputed=recomputed) < first_use_distance(naive, recomputed=recomputed) // 4
+    assert peak(scheduled) < 0.5 * peak(naive)
+    assert [n.name for n in scheduled.graph.nodes if n.name not in recomputed] == [
+        n.name for n in naive.graph.nodes if n.name not in recomputed]
+
+
+@pytest.mark.parametrize("policy", ["none", "blocks", "blocks:every=1,skip_first=0", "segments:2"])
+def test_predicted_peak_is_close_to_the_measured_one(policy):
+    """The memory pass's prediction is within 15% of the profiler's measured peak."""
+    from ckpt_fx.models import build
+
+    torch.manual_seed(0)
+    model = build("gpt", layers=4, dim=64, heads=2, dropout=0.1).train()
+    ids = torch.randint(0, 1000, (4, 64))
+    b = ckpt_fx.backend(policy=policy, strict=True)
+    fn = torch.compile(model, backend=b)
+
+    def step():
+        torch.manual_seed(0)
+        fn(ids, ids).backward()
+
+    step()
+    for p in model.parameters():
+        p.grad = None
+    measured = ckpt_fx.peak_bytes(step)
+    predicted = ckpt_fx.step_peak_bytes(b.plans)
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+
+
+def test_memory_falls_as_policies_checkpoint_more(device):
+    """Measured peak: none > blocks:4 > blocks > blocks(skip_first=0)."""
+    from ckpt_fx.models import build
+
+    torch.manual_seed(0)
+    model = build("llama", layers=8, dim=64, heads=2).to(device).train()
+    ids = torch.randint(0, 1000, (4, 128), device=device)
+    peaks = {}
+    for policy in ("none", "blocks:4", "blocks", "blocks:every=1,skip_first=0"):
+        m = copy.deepcopy(model)
+        fn = torch.compile(m, backend=ckpt_fx.backend(policy=policy, strict=True))
+        fn(ids, ids).backward()
+        for p in m.parameters():
+            p.grad = None
+        peaks[policy] = ckpt_fx.peak_bytes(lambda: fn(ids, ids).backward(), device=device)
+        torch._dynamo.reset()
+    values = list(peaks.values())
+    assert all(a > b for a, b in zip(values, values[1:])), peaks
+    assert peaks["blocks:every=1,skip_first=0"] < 0.5 * peaks["none"], peaks

@@ -1,0 +1,142 @@
+"""Policies: string forms, validation before tracing, and the decisions they make."""
+
+from __future__ import annotations
+
+import pytest
+
+import ckpt_fx
+from ckpt_fx import CheckpointPolicy, policies
+from passes.regions import Block
+from passes.select import NodeInfo
+
+
+def blocks_of(n: int, stack: str = "layers") -> list[Block]:
+    return [Block(path=f"{stack}.{i}", stack=stack, index=i, stack_len=n, number=i) for i in range(n)]
+
+
+def info(block: Block | None, users: tuple, *, region: str | None = None, path: str = "") -> NodeInfo:
+    return NodeInfo(
+        name="n", op="aten.mm.default", module_path=path or (block.path if block else ""),
+        region=region or ("block" if block else "other"), block=block, user_blocks=users,
+        shape=(2, 2), dtype=None, nbytes=16, flops=16, is_view=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "spec, name",
+    [
+        (None, "blocks(every=1, skip_first=1)"),
+        ("blocks", "blocks(every=1, skip_first=1)"),
+        ("blocks:4", "blocks(every=4, skip_first=1)"),
+        ("blocks:every=2,skip_first=0", "blocks(every=2, skip_first=0)"),
+        ("segments:4", "segments(size=4, skip_first=0)"),
+        ("segments:size=3,skip_first=1", "segments(size=3, skip_first=1)"),
+        ("sqrt", "sqrt(skip_first=0)"),
+        (" None ", "none()"),
+    ],
+)
+def test_string_forms(spec, name):
+    """Every documented string parses to the policy of that name."""
+    assert policies.policy_name(policies.parse(spec)) == name
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("blokcs", "unknown policy 'blokcs' (did you mean 'blocks'?)"),
+        ("segments", "needs a size"),
+        ("segments:0", "size must be >= 1, got 0"),
+        ("blocks:every=0", "every must be >= 1, got 0"),
+        ("blocks:two", "'two' is not an integer"),
+        ("blocks:stride=2", "unknown argument"),
+        ("sqrt:3", "takes no positional argument"),
+        (42, "must be a string or a callable"),
+    ],
+)
+def test_bad_policies_raise_value_error_naming_the_value(spec, fragment):
+    """A bad policy fails at construction with the bad value and the valid forms."""
+    with pytest.raises(ValueError) as err:
+        ckpt_fx.backend(policy=spec)
+    assert fragment in str(err.value)
+    if isinstance(spec, str) and "unknown" in fragment:
+        assert '"segments:N"' in str(err.value)
+
+
+def test_factory_arguments_are_checked():
+    """Keyword-only, typed, in range: a bool never lands in a count."""
+    with pytest.raises(ValueError, match="every must be an int"):
+        policies.blocks(every=True)
+    with pytest.raises(ValueError, match="skip_first must be >= 0"):
+        policies.blocks(skip_first=-1)
+    with pytest.raises(TypeError):
+        policies.segments(4)  # keyword-only
+    with pytest.raises(ValueError, match="patterns must be non-empty"):
+        policies.only_in([], "blocks")
+
+
+def test_backend_options_are_validated():
+    with pytest.raises(ValueError, match="compiler='inductor' is not supported yet"):
+        ckpt_fx.backend(compiler="inductor")
+    with pytest.raises(ValueError, match="unknown compiler 'tvm'"):
+        ckpt_fx.backend(compiler="tvm")
+    with pytest.raises(ValueError, match="strict must be True or False"):
+        ckpt_fx.backend(strict=1)
+    with pytest.raises(ValueError, match=r"unknown ckpt option\(s\) \['polcy'\]; valid: policy, compiler, strict"):
+        ckpt_fx.Options.from_mapping({"polcy": "blocks"})
+
+
+def test_blocks_recomputes_insides_and_saves_what_leaves():
+    """A checkpointed block recomputes nodes used only inside it and saves its output."""
+    b = blocks_of(4)
+    p = policies.blocks()
+    assert p(info(b[1], (b[1],))) == CheckpointPolicy.MUST_RECOMPUTE
+    assert p(info(b[1], (b[1], b[2]))) == CheckpointPolicy.MUST_SAVE  # the block's output
+    assert p(info(b[1], (None,))) == CheckpointPolicy.MUST_SAVE  # a graph output
+    assert p(info(b[0], (b[0],))) == CheckpointPolicy.PREFER_SAVE  # skip_first=1
+    assert p(info(None, (b[0],), region="embedding")) == CheckpointPolicy.PREFER_SAVE
+    assert p(info(None, (b[0],))) == CheckpointPolicy.PREFER_SAVE
+
+
+def test_every_nth_block_is_the_article_loop():
+    """blocks(every=4) checkpoints exactly the blocks of `if i > 0 and i % 4 == 0`."""
+    b = blocks_of(12)
+    p = policies.blocks(every=4)
+    chosen = [i for i in range(12) if p(info(b[i], (b[i],))) == CheckpointPolicy.MUST_RECOMPUTE]
+    assert chosen == [i for i in range(12) if i > 0 and i % 4 == 0]
+
+
+def test_segments_group_consecutive_blocks():
+    """32 blocks in segments of 4: only a node crossing a segment boundary is saved."""
+    b = blocks_of(32)
+    p = policies.segments(size=4)
+    assert p(info(b[1], (b[2],))) == CheckpointPolicy.MUST_RECOMPUTE  # inside segment 0
+    assert p(info(b[3], (b[4],))) == CheckpointPolicy.MUST_SAVE  # segment 0 -> 1
+    saved = [i for i in range(31) if p(info(b[i], (b[i + 1],))) == CheckpointPolicy.MUST_SAVE]
+    assert saved == [3, 7, 11, 15, 19, 23, 27]  # 8 segments
+
+
+def test_sqrt_picks_segments_of_about_sqrt_l():
+    b = blocks_of(16)
+    p = policies.sqrt()
+    saved = [i for i in range(15) if p(info(b[i], (b[i + 1],))) == CheckpointPolicy.MUST_SAVE]
+    assert saved == [3, 7, 11]
+
+
+def test_segments_never_span_two_stacks():
+    enc, dec = blocks_of(2, "encoder.layer"), blocks_of(2, "decoder.layer")
+    dec = [Block(path=d.path, stack=d.stack, index=d.index, stack_len=2, number=d.number + 2) for d in dec]
+    p = policies.segments(size=4)
+    assert p(info(enc[1], (dec[0],))) == CheckpointPolicy.MUST_SAVE
+    assert p(info(enc[0], (enc[1],))) == CheckpointPolicy.MUST_RECOMPUTE
+
+
+def test_only_in_restricts_a_policy_to_module_paths():
+    b = blocks_of(4)
+    p = policies.only_in("layers.2", policies.blocks(skip_first=0))
+    assert p(info(b[2], (b[2],), path="layers.2.mlp.fc")) == CheckpointPolicy.MUST_RECOMPUTE
+    assert p(info(b[1], (b[1],), path="layers.1.mlp.fc")) == CheckpointPolicy.PREFER_SAVE
+
+
+def test_none_saves_everything():
+    b = blocks_of(2)
+    assert policies.none()(info(b[1], (b[1],))) == CheckpointPolicy.PREFER_SAVE

@@ -1,0 +1,108 @@
+"""regions_pass on tiny hand-built graphs: one invariant each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from passes.regions import PATH_KEY, REGION_KEY, normalize_module_path, regions_pass
+
+
+class Blk(nn.Module):
+    pass
+
+
+class Expert(nn.Module):
+    pass
+
+
+def graph_of(paths: list[list[tuple[str, type]]]) -> torch.fx.GraphModule:
+    """A chain of relu nodes, node i inside the module stack paths[i] (outermost first)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    for i, stack in enumerate(paths):
+        x = g.call_function(torch.relu, (x,))
+        x.meta["nn_module_stack"] = {f"k{i}_{j}": (p, c) for j, (p, c) in enumerate(stack)}
+    g.output(x)
+    return torch.fx.GraphModule(nn.Module(), g)
+
+
+def regions(gm):
+    return [n.meta.get(REGION_KEY) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize(
+    "source, path",
+    [
+        ("L['self'].transformer.h[3].mlp", "transformer.h.3.mlp"),
+        ("L['self']._modules['layers']._modules['0']", "layers.0"),
+        ("getattr(L['self'].model.layers, '2')", "model.layers.2"),
+        ("L['mod'].blocks.1", "blocks.1"),
+        ("layers.0.ln", "layers.0.ln"),
+        ("L['self']", ""),
+    ],
+)
+def test_normalize_module_path(source, path):
+    """Dynamo's source strings and symbolic_trace's paths normalise to one form."""
+    assert normalize_module_path(source) == path
+
+
+def test_hf_style_stack_and_embedding():
+    """transformer.h.N is a stack; the embedding and the final norm are not blocks."""
+    gm = graph_of([
+        [("transformer.wte", nn.Embedding)],
+        [("transformer.h.0", Blk), ("transformer.h.0.attn", nn.Linear)],
+        [("transformer.h.1", Blk)],
+        [("transformer.h.2", Blk)],
+        [("transformer.ln_f", nn.LayerNorm)],
+    ])
+    found = regions_pass(gm)
+    assert found.stacks == ("transformer.h",) and not found.top_level_units
+    r = regions(gm)
+    assert r[0].kind == "embedding"
+    assert [x.block.index for x in r[1:4]] == [0, 1, 2] and r[1].block.stack_len == 3
+    assert r[4].kind == "other"
+    assert [n.meta[PATH_KEY] for n in gm.graph.nodes if n.op == "call_function"][1] == "transformer.h.0.attn"
+
+
+def test_encoder_and_decoder_are_two_stacks_numbered_in_forward_order():
+    gm = graph_of([
+        [("encoder.layer.0", Blk)], [("encoder.layer.1", Blk)],
+        [("decoder.layer.0", Blk)], [("decoder.layer.1", Blk)],
+    ])
+    found = regions_pass(gm)
+    assert found.stacks == ("encoder.layer", "decoder.layer")
+    assert [(b.stack, b.index, b.number) for b in found.blocks] == [
+        ("encoder.layer", 0, 0), ("encoder.layer", 1, 1), ("decoder.layer", 0, 2), ("decoder.layer", 1, 3)]
+
+
+def test_stack_nested_in_a_block_is_not_a_stack():
+    """Experts inside a block belong to that block."""
+    gm = graph_of([
+        [("layers.0", Blk), ("layers.0.experts.0", Expert)], [("layers.0", Blk), ("layers.0.experts.1", Expert)],
+        [("layers.1", Blk), ("layers.1.experts.0", Expert)], [("layers.1", Blk), ("layers.1.experts.1", Expert)],
+    ])
+    found = regions_pass(gm)
+    assert found.stacks == ("layers",)
+    assert [r.block.path for r in regions(gm)] == ["layers.0", "layers.0", "layers.1", "layers.1"]
+
+
+def test_plain_sequential_at_the_top():
+    gm = graph_of([[("0", Blk)], [("1", Blk)], [("2", Blk)]])
+    found = regions_pass(gm)
+    assert found.stacks == ("",) and [b.path for b in found.blocks] == ["0", "1", "2"]
+
+
+def test_mixed_children_are_not_a_stack_and_top_level_children_become_units():
+    """No repeated class: top-level children are the units, with one warning saying so."""
+    gm = graph_of([[("0", nn.Linear)], [("1", nn.ReLU)], [("2", nn.Linear)]])
+    with pytest.warns(UserWarning, match=r"no stack of repeated blocks.*\(0, 1, 2\)"):
+        found = regions_pass(gm)
+    assert found.top_level_units and [b.path for b in found.blocks] == ["0", "1", "2"]
+
+
+def test_node_without_module_stack_is_other():
+    gm = graph_of([[("layers.0", Blk)], [], [("layers.1", Blk)]])
+    regions_pass(gm)
+    assert [r.kind for r in regions(gm)] == ["block", "other", "block"]
