@@ -120,9 +120,11 @@ def memory_pass(
     forward_names: set[str],
     hard_rules: dict[str, str] | None = None,
     top_level_units: bool = False,
+    block_paths: tuple[str, ...] = (),
 ) -> Plan:
     """Walk the forward then the backward (Note [What the predicted peak counts]); return the Plan.
 
+    `block_paths` lists the units in forward order; the Plan reports each of them in that order.
     Reads node.meta only; deterministic.
     """
     key_of: dict[torch.fx.Node, object] = {}
@@ -181,7 +183,7 @@ def memory_pass(
     grads = {bw_key[a]: bw_live.get(bw_key[a], 0) for a in bw_out.args[0] if isinstance(a, torch.fx.Node)}
 
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
-    per_block: dict[str, list[int]] = {}
+    per_block: dict[str, list[int]] = {path: [0, 0, 0] for path in block_paths}
     for s in saved:
         if s.block is not None and not s.is_input:
             per_block.setdefault(s.block, [0, 0, 0])[0] += s.nbytes

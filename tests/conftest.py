@@ -6,12 +6,12 @@ from hypothesis import HealthCheck, Phase, settings
 
 # CI: a fixed, derandomized set of examples. CKPT_FX_HYPOTHESIS=large: ten times as many, random.
 settings.register_profile(
-    "ci", max_examples=12, derandomize=True, deadline=None, print_blob=True,
+    "ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
     phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking recompiles many times: report as found
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
-    "large", max_examples=120, deadline=None, print_blob=True,
+    "large", max_examples=250, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("CKPT_FX_HYPOTHESIS", "ci"))

@@ -1,0 +1,52 @@
+"""Every example runs, and the command line answers as documented."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(path):
+    done = run(str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip()
+
+
+def test_examples_exist():
+    assert {p.name for p in EXAMPLES} >= {"quickstart.py", "rewrite_fx.py", "custom_policy.py"}
+
+
+def test_demo_prints_the_side_by_side_table():
+    done = run("-m", "ckpt_fx", "demo", "--layers", "3", "--dim", "64", "--seq", "64", "--batch", "2", "--steps", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert lines[0].startswith("| setup | peak MB")
+    eager, ckpt = lines[1].split("|"), lines[2].split("|")
+    assert eager[-2] == ckpt[-2]  # the same losses, step by step
+    assert float(ckpt[2]) < float(eager[2])  # lower measured peak
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["demo", "--policy", "blokcs"], "unknown policy 'blokcs'"),
+        (["demo", "--layers", "0"], "--layers must be >= 1, got 0"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_print_one_line(args, message):
+    done = run("-m", "ckpt_fx", *args)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("USDT")]
+    assert len(errors) == 1 and message in errors[0], done.stderr
