@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -25,8 +28,14 @@ def peak_bytes(fn: Callable[[], object], *, device: str | torch.device = "cpu") 
         raise ValueError(f"peak_bytes: device must be 'cpu' or 'cuda', got {device}")
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's C++ side prints a line at start and at stop
+        prof.start()
+    try:
         fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     running = peak = 0
@@ -34,3 +43,19 @@ def peak_bytes(fn: Callable[[], object], *, device: str | torch.device = "cpu") 
         running += event.nbytes()
         peak = max(peak, running)
     return peak
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (C++ writes) for the duration; Python's stderr is flushed first."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)

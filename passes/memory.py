@@ -61,7 +61,7 @@ class Plan:
     forward_end_bytes: int = 0
     """Bytes the forward leaves allocated: saved activations and outputs."""
     gradient_bytes: int = 0
-    """Bytes of the gradients the backward returns."""
+    """Bytes of the parameter gradients the backward returns (they outlive the step)."""
     hard_rules: dict[str, str] = field(default_factory=dict)
     """Nodes no policy may recompute, with why (random, mutation, ...)."""
     top_level_units: bool = False
@@ -121,10 +121,12 @@ def memory_pass(
     hard_rules: dict[str, str] | None = None,
     top_level_units: bool = False,
     block_paths: tuple[str, ...] = (),
+    static_input_indices: list[int] | None = None,
 ) -> Plan:
     """Walk the forward then the backward (Note [What the predicted peak counts]); return the Plan.
 
     `block_paths` lists the units in forward order; the Plan reports each of them in that order.
+    `static_input_indices` (parameters and buffers among the inputs) tells which gradients persist.
     Reads node.meta only; deterministic.
     """
     key_of: dict[torch.fx.Node, object] = {}
@@ -180,7 +182,14 @@ def memory_pass(
             bw_live.pop(key)  # forward values nobody holds any more
     bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned)
     bw_out = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
-    grads = {bw_key[a]: bw_live.get(bw_key[a], 0) for a in bw_out.args[0] if isinstance(a, torch.fx.Node)}
+    # Gradients of parameters (static inputs) outlive the step; gradients of activations that
+    # came from an earlier graph become that graph's incoming gradients and are counted there.
+    keep = set(static_input_indices) if static_input_indices is not None else None
+    grads = {
+        bw_key[a]: bw_live.get(bw_key[a], 0)
+        for i, a in enumerate(bw_out.args[0])
+        if isinstance(a, torch.fx.Node) and (keep is None or i in keep)
+    }
 
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
     per_block: dict[str, list[int]] = {path: [0, 0, 0] for path in block_paths}

@@ -91,6 +91,7 @@ def run(
             hard_rules=forced,
             top_level_units=region_map.top_level_units,
             block_paths=tuple(b.path for b in region_map.blocks),
+            static_input_indices=static_lifetime_input_indices,
         ),
     )
     log.debug("ckpt_fx passes: %s", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()))
