@@ -67,9 +67,10 @@ class RegionMap:
 
 
 _GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")
-_MODULES = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
+_MODULES = re.compile(r"(?:^|\.)_modules\[['\"]([^'\"]+)['\"]\]")
 _INDEX = re.compile(r"\[(\d+)\]")
-_ROOT = re.compile(r"^(L\[['\"][^'\"]+['\"]\]|self)(\.|$)")
+# The frame's module: L['self'], or L['args'][0] when a decorator takes (*args, **kwargs).
+_ROOT = re.compile(r"^(L\[['\"][^'\"]+['\"]\](\[\d+\])*|self)(\.|$)")
 
 
 def normalize_module_path(path: str) -> str:
@@ -77,9 +78,9 @@ def normalize_module_path(path: str) -> str:
     previous = None
     while previous != path:
         previous, path = path, _GETATTR.sub(r"\1.\2", path)
+    path = _ROOT.sub("", path)
     path = _MODULES.sub(r".\1", path)
     path = _INDEX.sub(r".\1", path)
-    path = _ROOT.sub("", path)
     return path.strip(".")
 
 

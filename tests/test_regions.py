@@ -41,6 +41,7 @@ def regions(gm):
         ("L['mod'].blocks.1", "blocks.1"),
         ("layers.0.ln", "layers.0.ln"),
         ("L['self']", ""),
+        ("L['args'][0].model.layers.0", "model.layers.0"),
     ],
 )
 def test_normalize_module_path(source, path):
