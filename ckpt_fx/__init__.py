@@ -9,6 +9,7 @@ import logging
 
 from ckpt_fx import policies
 from ckpt_fx.backend import CkptBackend, Options, backend
+from ckpt_fx.explain import Report, explain
 from ckpt_fx.measure import peak_bytes
 from ckpt_fx.rewrite import RewrittenGraphModule, rewrite_graph
 from passes import BlockPlan, NodeInfo, Plan, SavedTensor, step_peak_bytes
@@ -23,9 +24,11 @@ __all__ = [
     "NodeInfo",
     "Options",
     "Plan",
+    "Report",
     "RewrittenGraphModule",
     "SavedTensor",
     "backend",
+    "explain",
     "peak_bytes",
     "policies",
     "rewrite_graph",

@@ -72,10 +72,7 @@ def demo(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from ckpt_fx import bench as b
 
-    if args.model == "gpt2":
-        workload = b.gpt2_workload(layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch, seq=args.seq)
-    else:
-        workload = b.builtin_workload(args.model, layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch, seq=args.seq)
+    workload = _workload(args)
     setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else b.DEFAULT_SETUPS
     rows = b.run(workload, setups, steps=args.steps, progress=_progress)
     print(f"\n{workload.name}; torch {torch.__version__}; {args.steps} timed steps (median)\n")
@@ -84,6 +81,40 @@ def bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(b.as_dicts(rows), f, indent=2)
     return 0
+
+
+def _workload(args: argparse.Namespace):
+    from ckpt_fx import bench as b
+
+    if args.model == "gpt2":
+        return b.gpt2_workload(layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch, seq=args.seq)
+    return b.builtin_workload(args.model, layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch, seq=args.seq)
+
+
+def explain(args: argparse.Namespace) -> int:
+    import ckpt_fx
+
+    workload = _workload(args)
+    _progress(f"planning {workload.name} with policy {args.policy}")
+    report = ckpt_fx.explain(workload.model, *workload.args, policy=args.policy, measure=args.measure, **workload.kwargs)
+    print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"policy": report.policy, "predicted_peak_bytes": report.predicted_peak_bytes,
+                       "measured_peak_bytes": report.measured_peak_bytes, "eager_peak_bytes": report.eager_peak_bytes,
+                       "blocks": [vars(b) for p in report.plans for b in p.blocks], "warnings": list(report.warnings)},
+                      f, indent=2)
+    return 0
+
+
+def _model_options(p: argparse.ArgumentParser, *, model: str, layers: int) -> None:
+    p.add_argument("--model", choices=("gpt2", "llama", "gpt"), default=model,
+                   help="gpt2: transformers' GPT2LMHeadModel; llama, gpt: built-in models")
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,20 +131,21 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--policy", default="blocks")
     d.add_argument("--json", help="also write the results to this file")
     d.set_defaults(run=demo)
+    e = sub.add_parser("explain", help="what a policy saves and recomputes, block by block")
+    _model_options(e, model="gpt2", layers=12)
+    e.add_argument("--policy", default="blocks")
+    e.add_argument("--measure", action="store_true", help="also measure the peak, with and without checkpointing")
+    e.add_argument("--json", help="also write the report to this file")
+    e.set_defaults(run=explain)
     bn = sub.add_parser("bench", help="peak memory and step time of every setup, side by side")
-    bn.add_argument("--model", choices=("gpt2", "llama", "gpt"), default="gpt2")
-    bn.add_argument("--layers", type=int, default=12)
-    bn.add_argument("--dim", type=int, default=256)
-    bn.add_argument("--heads", type=int, default=4)
-    bn.add_argument("--batch", type=int, default=8)
-    bn.add_argument("--seq", type=int, default=256)
+    _model_options(bn, model="gpt2", layers=12)
     bn.add_argument("--steps", type=int, default=5)
     bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks' (default: all)")
     bn.add_argument("--json", help="also write the rows to this file")
     bn.set_defaults(run=bench)
     args = parser.parse_args(argv)
     for name in ("layers", "dim", "heads", "batch", "seq", "steps"):
-        if getattr(args, name) < 1:
+        if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if getattr(args, "policy", None) is not None:
         from ckpt_fx import policies

@@ -7,11 +7,13 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from ckpt_fx.backend import backend as ckpt_backend
+from ckpt_fx.explain import training_loss
 from ckpt_fx.measure import peak_bytes
 from passes.memory import step_peak_bytes
 
@@ -34,11 +36,16 @@ class Row:
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
-    """A model and one batch; `loss(model)` runs a forward and returns the scalar loss."""
+    """A model and one batch."""
 
     name: str
     model: torch.nn.Module
-    loss: Callable[[torch.nn.Module], torch.Tensor]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def loss(self, fn: Callable[..., Any]) -> torch.Tensor:
+        """Run a forward through fn (the model, compiled or not) and return the scalar loss."""
+        return training_loss(fn(*self.args, **self.kwargs))
 
 
 def gpt2_workload(*, layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 1000, batch: int = 8, seq: int = 256) -> Workload:
@@ -54,7 +61,7 @@ def gpt2_workload(*, layers: int = 12, dim: int = 256, heads: int = 4, vocab: in
     return Workload(
         name=f"GPT-2 {layers}x{dim}, batch {batch}x{seq}",
         model=model,
-        loss=lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss,
+        kwargs={"input_ids": ids, "labels": ids, "use_cache": False},
     )
 
 
@@ -66,7 +73,7 @@ def builtin_workload(name: str = "llama", *, batch: int = 8, seq: int = 256, **c
     model = build(name, **config).train()
     vocab = model.head.out_features
     ids = torch.randint(0, vocab, (batch, seq))
-    return Workload(name=f"built-in {name} {config}, batch {batch}x{seq}", model=model, loss=lambda m: m(ids, ids))
+    return Workload(name=f"built-in {name} {config}, batch {batch}x{seq}", model=model, args=(ids, ids))
 
 
 def _block_stack(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -42,6 +42,8 @@ class BlockPlan:
     saved_bytes: int
     recomputed_ops: int
     recompute_flops: int
+    recomputed_bytes: int = 0
+    """Bytes of the values it recomputes: what checkpointing it keeps out of the saved set."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,25 +194,26 @@ def memory_pass(
     }
 
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
-    per_block: dict[str, list[int]] = {path: [0, 0, 0] for path in block_paths}
+    per_block: dict[str, list[int]] = {path: [0, 0, 0, 0] for path in block_paths}
     for s in saved:
         if s.block is not None and not s.is_input:
-            per_block.setdefault(s.block, [0, 0, 0])[0] += s.nbytes
+            per_block.setdefault(s.block, [0, 0, 0, 0])[0] += s.nbytes
     flops = 0
     for node in recomputed:
         f = node_flops(node)
         flops += f
         region = node.meta.get(REGION_KEY)
         if region is not None and region.block is not None:
-            entry = per_block.setdefault(region.block.path, [0, 0, 0])
+            entry = per_block.setdefault(region.block.path, [0, 0, 0, 0])
             entry[1] += 1
             entry[2] += f
+            entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"))
     return Plan(
         policy=policy,
         saved=tuple(saved),
         recomputed=tuple(n.name for n in recomputed),
         blocks=tuple(
-            BlockPlan(path=p, saved_bytes=v[0], recomputed_ops=v[1], recompute_flops=v[2])
+            BlockPlan(path=p, saved_bytes=v[0], recomputed_ops=v[1], recompute_flops=v[2], recomputed_bytes=v[3])
             for p, v in per_block.items()
         ),
         saved_bytes=saved_bytes,

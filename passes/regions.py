@@ -158,8 +158,8 @@ def regions_pass(gm: torch.fx.GraphModule) -> RegionMap:
                 return path
         return None
 
-    top_level = not stacks
-    if top_level:
+    top_level = False
+    if not stacks:
         tops = []
         for node in fwd:
             st = stacks_of[node]
@@ -167,7 +167,8 @@ def regions_pass(gm: torch.fx.GraphModule) -> RegionMap:
                 top = st[0][0].split(".")[0]
                 if top not in tops:
                     tops.append(top)
-        if tops:
+        top_level = bool(tops)
+        if top_level:
             warnings.warn(
                 "ckpt_fx: no stack of repeated blocks found in this graph; using its top-level "
                 f"children ({', '.join(tops)}) as checkpoint units",

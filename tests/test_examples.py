@@ -50,3 +50,9 @@ def test_bad_arguments_print_one_line(args, message):
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("USDT")]
     assert len(errors) == 1 and message in errors[0], done.stderr
+
+
+def test_explain_command():
+    done = run("-m", "ckpt_fx", "explain", "--model", "llama", "--layers", "3", "--dim", "64", "--seq", "32", "--batch", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| layers.1 |" in done.stdout and "predicted peak:" in done.stdout

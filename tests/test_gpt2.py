@@ -66,3 +66,13 @@ def test_gpt2_memory_and_gradients(gpt2):
     assert every_peak <= 1.15 * hf_peak, (every_peak, hf_peak)
     for peak, predicted in results.values():
         assert abs(predicted - peak) <= 0.15 * peak, (predicted, peak)
+
+
+def test_explain_names_each_of_the_12_blocks_with_its_saved_bytes(gpt2):
+    report = ckpt_fx.explain(gpt2.model, *gpt2.args, policy="blocks", **gpt2.kwargs)
+    blocks = [b for plan in report.plans for b in plan.blocks]
+    assert [b.path for b in blocks] == [f"transformer.h.{i}" for i in range(12)]
+    text = str(report)
+    for b in blocks:
+        assert f"| {b.path} | {b.saved_bytes / 2**20:.2f} |" in text
+    assert blocks[0].saved_bytes > 5 * blocks[1].saved_bytes  # block 0 is kept whole (skip_first=1)

@@ -1,0 +1,153 @@
+"""explain(): what a policy saves and recomputes in a model, in words a user reads."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ckpt_fx import policies
+from ckpt_fx.backend import CkptBackend, Options
+from ckpt_fx.measure import peak_bytes
+from passes import Plan, step_peak_bytes
+from passes.regions import REGION_KEY, forward_nodes
+from passes.select import RECOMPUTE, REASON_KEY
+
+# A checkpointed block whose recompute keeps out less than this is not worth its recompute.
+SMALL_REGION_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """The plans of every graph of a model under one policy; prints as tables."""
+
+    policy: str
+    plans: tuple[Plan, ...]
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None = None
+    eager_peak_bytes: int | None = None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def __str__(self) -> str:
+        mb = 2**20
+        out = [f"ckpt_fx plan: {self.policy}, {len(self.plans)} graph(s)", ""]
+        out.append("| block | saved MB | recomputed ops | recompute GFLOP |")
+        out.append("|---|---:|---:|---:|")
+        for plan in self.plans:
+            for b in plan.blocks:
+                out.append(f"| {b.path} | {b.saved_bytes / mb:.2f} | {b.recomputed_ops} | {b.recompute_flops / 1e9:.3f} |")
+        out.append("")
+        saved = [s for plan in self.plans for s in plan.saved if not s.is_input]
+        inputs = sum(1 for plan in self.plans for s in plan.saved if s.is_input)
+        total = sum(p.saved_bytes for p in self.plans)  # views share their base's bytes
+        out.append(f"saved activations: {len(saved)} tensors, {total / mb:.2f} MB "
+                   f"(plus {inputs} parameters/inputs kept by reference)")
+        for s in saved:
+            shape = "x".join(map(str, s.shape)) or "scalar"
+            dtype = str(s.dtype).replace("torch.", "")
+            op = "getitem" if "getitem" in s.op else s.op
+            out.append(f"  {s.module_path or '<top>':40s} {op:36s} {shape:>18s} {dtype:8s} {s.nbytes / mb:8.3f} MB")
+        out.append("")
+        line = f"predicted peak: {self.predicted_peak_bytes / mb:.1f} MB"
+        if self.measured_peak_bytes is not None:
+            line += f"; measured: {self.measured_peak_bytes / mb:.1f} MB"
+        if self.eager_peak_bytes is not None:
+            line += f"; eager without checkpointing: {self.eager_peak_bytes / mb:.1f} MB"
+        out.append(line)
+        if self.warnings:
+            out.append("")
+            out.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(out)
+
+
+def training_loss(out: Any) -> torch.Tensor:
+    """A scalar to differentiate: the output itself, its .loss, or the sum of its float tensors."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves = [x for x in pytree.tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple())
+              if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
+    if not leaves:
+        raise ValueError("explain: the model's output has no floating-point tensor that requires grad")
+    return sum(x.float().sum() for x in leaves)
+
+
+def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | None = None,
+            measure: bool = False, **kwargs: Any) -> Report:
+    """Compile a copy of `model` with `policy`, run one training step on (args, kwargs), and report
+    per block the saved bytes, the recomputed ops and FLOPs, every saved tensor, the predicted peak
+    (and the measured one, with eager's beside it, when `measure=True`). The model is not changed."""
+    options = Options(policy=policies.parse(policy))
+    name = policies.policy_name(options.policy)
+    backend = CkptBackend(options)
+    joints: list[torch.fx.GraphModule] = []
+    inner = backend.partition
+
+    def partition(joint, joint_inputs, **kw):
+        result = inner(joint, joint_inputs, **kw)
+        joints.append(joint)
+        return result
+
+    backend.partition = partition  # type: ignore[method-assign]
+    work = copy.deepcopy(model)
+    compiled = torch.compile(work, backend=backend)
+
+    def step(fn) -> None:
+        torch.manual_seed(0)
+        training_loss(fn(*args, **kwargs)).backward()
+
+    try:
+        step(compiled)
+        measured = eager = None
+        if measure:
+            for p in work.parameters():
+                p.grad = None
+            device = next((p.device for p in work.parameters()), torch.device("cpu"))
+            measured = peak_bytes(lambda: step(compiled), device=device)
+            plain = copy.deepcopy(model)
+            step(plain)
+            for p in plain.parameters():
+                p.grad = None
+            eager = peak_bytes(lambda: step(plain), device=device)
+    finally:
+        torch._dynamo.reset()
+    plans = tuple(backend.plans)
+    return Report(
+        policy=name,
+        plans=plans,
+        predicted_peak_bytes=step_peak_bytes(plans),
+        measured_peak_bytes=measured,
+        eager_peak_bytes=eager,
+        warnings=tuple(_pitfalls(name, plans, joints)),
+    )
+
+
+def _pitfalls(name: str, plans: tuple[Plan, ...], joints: list[torch.fx.GraphModule]) -> list[str]:
+    """The pitfalls of checkpointing that a plan shows (see the README's FAQ)."""
+    out = []
+    if not plans:
+        out.append("no graph was planned (was the model run without gradients, or did every graph fall back?)")
+        return out
+    if any(p.top_level_units for p in plans):
+        out.append("no stack of repeated blocks was found: top-level children served as units")
+    if name != "none()" and not any(p.recomputed for p in plans):
+        out.append(f"policy {name} recomputes nothing: no node matched it "
+                   f"(blocks found: {', '.join(b.path for p in plans for b in p.blocks) or 'none'})")
+    for joint in joints:
+        asked = [n for n in forward_nodes(joint.graph)
+                 if n.meta.get(REASON_KEY) == "policy" and n.meta.get("recompute") in RECOMPUTE
+                 and getattr(n.meta.get(REGION_KEY), "kind", None) == "embedding"]
+        if asked:
+            out.append(f"the policy recomputes {len(asked)} embedding op(s): this saves nothing, an embedding's "
+                       "output is kept anyway as the next unit's input")
+    for plan in plans:
+        for b in plan.blocks:
+            if b.recomputed_ops and b.recomputed_bytes < SMALL_REGION_BYTES:
+                out.append(f"{b.path} recomputes {b.recomputed_ops} ops to keep out only "
+                           f"{b.recomputed_bytes / 1024:.0f} KiB: the recompute likely costs more than it saves")
+    return out

@@ -1,0 +1,58 @@
+"""explain(): the report per block, the saved tensors, the peaks and the pitfall warnings."""
+
+from __future__ import annotations
+
+import torch
+
+import ckpt_fx
+from ckpt_fx import CheckpointPolicy, policies
+from ckpt_fx.models import build
+
+
+def small():
+    torch.manual_seed(0)
+    model = build("gpt", layers=4, dim=64, heads=2, dropout=0.1).train()
+    ids = torch.randint(0, 1000, (2, 64))
+    return model, ids
+
+
+def test_report_lists_blocks_saved_tensors_and_peaks():
+    model, ids = small()
+    before = [p.clone() for p in model.parameters()]
+    report = ckpt_fx.explain(model, ids, ids, policy="blocks", measure=True)
+    text = str(report)
+    for i in range(4):
+        assert f"| blocks.{i} |" in text
+    saved = text.split("saved activations:")[1].split("predicted peak:")[0]
+    assert "blocks.0.ln_1" in saved  # block 0 is not checkpointed: its insides are kept
+    assert "blocks.2.ln_1" not in saved  # block 2 is: only its output is
+    assert report.measured_peak_bytes and report.eager_peak_bytes
+    assert report.measured_peak_bytes < report.eager_peak_bytes
+    assert abs(report.predicted_peak_bytes - report.measured_peak_bytes) <= 0.15 * report.measured_peak_bytes
+    assert "predicted peak:" in text and "measured:" in text
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and all(p.grad is None for p in model.parameters())
+
+
+def test_policy_that_matches_nothing_warns():
+    model, ids = small()
+    report = ckpt_fx.explain(model, ids, ids, policy=policies.only_in("decoder.*", "blocks"))
+    assert any("recomputes nothing: no node matched it" in w and "blocks.0" in w for w in report.warnings)
+
+
+def test_recomputing_an_embedding_warns():
+    def everything(info):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    model, ids = small()
+    report = ckpt_fx.explain(model, ids, ids, policy=everything)
+    assert any("embedding op(s): this saves nothing" in w for w in report.warnings)
+
+
+def test_tiny_regions_warn_that_recompute_costs_more_than_it_saves():
+    torch.manual_seed(0)
+    model = build("gpt", layers=3, dim=8, heads=2).train()
+    ids = torch.randint(0, 1000, (1, 4))
+    report = ckpt_fx.explain(model, ids, ids, policy="blocks")
+    assert any("to keep out only" in w for w in report.warnings)
+    model, ids = small()
+    assert not any("to keep out only" in w for w in ckpt_fx.explain(model, ids, ids, policy="blocks").warnings)
