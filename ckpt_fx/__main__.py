@@ -26,9 +26,11 @@ def demo(args: argparse.Namespace) -> int:
     import ckpt_fx
     from ckpt_fx.models import build
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
     torch.manual_seed(0)
-    model = build(args.model, layers=args.layers, dim=args.dim, heads=args.heads).train()
-    ids = torch.randint(0, model.head.out_features, (args.batch, args.seq))
+    model = build(args.model, layers=args.layers, dim=args.dim, heads=args.heads).to(args.device).train()
+    ids = torch.randint(0, model.head.out_features, (args.batch, args.seq), device=args.device)
     rows = []
     for name, policy in (("eager (no checkpointing)", None), (f"backend='ckpt' policy={args.policy}", args.policy)):
         _progress(name)
@@ -48,7 +50,7 @@ def demo(args: argparse.Namespace) -> int:
         for i in range(args.steps):
             start = time.perf_counter()
             if i == 0:
-                peak = ckpt_fx.peak_bytes(step)
+                peak = ckpt_fx.peak_bytes(step, device=args.device)
             else:
                 step()
             times.append(time.perf_counter() - start)
@@ -56,7 +58,8 @@ def demo(args: argparse.Namespace) -> int:
             opt.zero_grad(set_to_none=True)
         rows.append({"setup": name, "peak_mb": peak / 2**20, "step_s": statistics.median(times), "losses": losses})
     base = rows[0]
-    print(f"\n{args.model} model: {args.layers} blocks, dim {args.dim}, batch {args.batch}x{args.seq}, {args.steps} steps, CPU\n")
+    print(f"\n{args.model} model: {args.layers} blocks, dim {args.dim}, batch {args.batch}x{args.seq}, "
+          f"{args.steps} steps, {args.device}, torch {torch.__version__}\n")
     print("| setup | peak MB | x eager | step s | x eager | losses |")
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seq", type=int, default=256)
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--policy", default="blocks")
+    d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     d.add_argument("--json", help="also write the results to this file")
     d.set_defaults(run=demo)
     e = sub.add_parser("explain", help="what a policy saves and recomputes, block by block")

@@ -24,7 +24,17 @@ def test_example_runs(path):
 
 
 def test_examples_exist():
-    assert {p.name for p in EXAMPLES} >= {"quickstart.py", "rewrite_fx.py", "custom_policy.py"}
+    assert {p.name for p in EXAMPLES} >= {"quickstart.py", "rewrite_fx.py", "custom_policy.py", "finetune_causal_lm.py",
+                                         "cnn.py", "rnn.py"}
+
+
+def test_cnn_example_keeps_batchnorm_stats_and_lowers_the_peak():
+    done = run(str(ROOT / "examples" / "cnn.py"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "BatchNorm running stats equal eager's: True" in done.stdout
+    peaks = [float(line.split("peak")[1].split("MB")[0]) for line in done.stdout.splitlines() if "peak" in line]
+    losses = [line.split("loss")[1].split()[0] for line in done.stdout.splitlines() if "loss" in line]
+    assert peaks[1] < peaks[0] and losses[0] == losses[1]
 
 
 def test_demo_prints_the_side_by_side_table():
