@@ -114,9 +114,9 @@ def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     results = []
-    for setup in setups:
+    for k, setup in enumerate(setups, 1):
         if progress:
-            progress(setup)
+            progress(f"[{k}/{len(setups)}] {setup}")
         model = copy.deepcopy(workload.model)
         fn, b = _prepare(setup, model)
 
