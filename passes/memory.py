@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from passes._compat import is_primal, is_tangent
+from passes._compat import is_primal, is_tangent, size_hint
 from passes.costs import is_view, node_flops, tensor_bytes
 from passes.regions import PATH_KEY, REGION_KEY
 
@@ -16,7 +16,10 @@ from passes.regions import PATH_KEY, REGION_KEY
 # gradient temporaries and the parameter gradients it returns. Parameters, buffers and inputs
 # exist before the step and count zero, as do views (they share their base's storage and keep
 # it alive). The eager runner frees a value after its last use, and so does this walk. The
-# measured peak (ckpt_fx.measure) counts the same thing.
+# graph's outputs are assumed held by the caller until its backward ends (HF's output object
+# holds the logits); a caller that drops them early peaks a little lower than predicted. Only
+# parameter gradients outlive the step: an activation's gradient returned by a later graph is
+# the incoming gradient of the earlier one. The measured peak (ckpt_fx.measure) counts the same.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +158,7 @@ def memory_pass(
                 module_path=node.meta.get(PATH_KEY, ""),
                 block=region.block.path if region is not None and region.block is not None else None,
                 op=str(node.target) if node.op == "call_function" else node.op,
-                shape=tuple(int(d) for d in (value.shape if not _symbolic(value) else ())),
+                shape=tuple(size_hint(d) for d in value.shape),
                 dtype=value.dtype,
                 nbytes=tensor_bytes(value),
                 is_input=isinstance(key_of[node], tuple),
@@ -226,9 +229,6 @@ def memory_pass(
         top_level_units=top_level_units,
     )
 
-
-def _symbolic(value: torch.Tensor) -> bool:
-    return any(not isinstance(d, int) for d in value.shape)
 
 
 def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:

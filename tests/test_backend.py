@@ -17,6 +17,23 @@ from tests._models import Spec, close, inputs, make, train_step
 SPEC = Spec(depth=3, width=16, dropout=0.1)
 
 
+class BrokenBetweenBlocks(torch.nn.Module):
+    """Four blocks with a graph break between the second and the third."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make(Spec(depth=4, width=16))
+
+    def forward(self, x):
+        h = self.net.embed(x)
+        for layer in self.net.layers[:2]:
+            h = layer(h)
+        torch._dynamo.graph_break()
+        for layer in self.net.layers[2:]:
+            h = layer(h)
+        return self.net.head(h)
+
+
 def test_entry_point_is_registered_once():
     eps = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "ckpt"]
     assert [ep.value for ep in eps] == ["ckpt_fx.backend:ckpt"]
@@ -95,21 +112,7 @@ def test_one_info_line_per_compiled_graph(caplog):
 def test_graph_breaks_plan_every_graph_with_right_block_numbers():
     """A graph break in the middle of the stack: each graph is planned, block paths stay absolute."""
 
-    class Broken(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = make(Spec(depth=4, width=16))
-
-        def forward(self, x):
-            h = self.net.embed(x)
-            for layer in self.net.layers[:2]:
-                h = layer(h)
-            torch._dynamo.graph_break()
-            for layer in self.net.layers[2:]:
-                h = layer(h)
-            return self.net.head(h)
-
-    model = Broken()
+    model = BrokenBetweenBlocks()
     x = inputs(Spec(), 2, 6)
     b = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", strict=True)
     got = train_step(model, x, b)
@@ -122,21 +125,7 @@ def test_skip_first_counts_blocks_of_the_model_not_of_the_graph():
     """After a graph break, the second graph's first block is block 2, and blocks(skip_first=1)
     checkpoints it."""
 
-    class Broken(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = make(Spec(depth=4, width=16))
-
-        def forward(self, x):
-            h = self.net.embed(x)
-            for layer in self.net.layers[:2]:
-                h = layer(h)
-            torch._dynamo.graph_break()
-            for layer in self.net.layers[2:]:
-                h = layer(h)
-            return self.net.head(h)
-
     b = ckpt_fx.backend(policy="blocks", strict=True)
-    train_step(Broken(), inputs(Spec(), 2, 6), b)
+    train_step(BrokenBetweenBlocks(), inputs(Spec(), 2, 6), b)
     paths = [[bp.path for bp in plan.blocks if bp.recomputed_ops] for plan in b.plans]
     assert paths == [["net.layers.1"], ["net.layers.2", "net.layers.3"]]
