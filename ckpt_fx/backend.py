@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,11 +15,14 @@ from ckpt_fx import policies
 from passes import Plan
 from passes import pipeline
 from passes._compat import RECOMPUTE_KEY, aot_autograd, boxed_nop, default_partition
+from passes.debug import debug_checks_pass
+from passes.regions import PATH_KEY
+from passes.select import REASON_KEY
 
 log = logging.getLogger("ckpt_fx")
 
 COMPILERS = ("eager",)
-OPTION_KEYS = ("policy", "compiler", "strict")
+OPTION_KEYS = ("policy", "compiler", "strict", "debug", "debug_dir")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +35,11 @@ class Options:
     """Inner compiler for the partitioned graphs: "eager" (FX graphs run as Python)."""
     strict: bool = False
     """Raise instead of falling back to AOTAutograd's default partition when a pass fails."""
+    debug: bool | str = False
+    """True: check recomputed tensors' shapes, dtypes, strides and dump each pass's graphs;
+    "values": check their values too (keeps the originals: debugging memory)."""
+    debug_dir: str = "ckpt_fx_debug"
+    """Folder for the debug dumps (one sub-folder per compiled graph)."""
 
     def __post_init__(self) -> None:
         if not callable(self.policy):
@@ -43,6 +53,25 @@ class Options:
             raise ValueError(f"unknown compiler {self.compiler!r}; valid: {', '.join(map(repr, COMPILERS))}")
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict must be True or False, got {self.strict!r}")
+        if self.debug not in (False, True, "values"):
+            raise ValueError(f"debug must be False, True or 'values', got {self.debug!r}")
+        if not isinstance(self.debug_dir, str) or not self.debug_dir:
+            raise ValueError(f"debug_dir must be a non-empty path, got {self.debug_dir!r}")
+
+    @staticmethod
+    def debug_from_env() -> dict[str, Any]:
+        """debug settings from CKPT_FX_DEBUG (1 or values) and CKPT_FX_DEBUG_DIR, read when asked."""
+        flag = os.environ.get("CKPT_FX_DEBUG", "").strip().lower()
+        out: dict[str, Any] = {}
+        if flag in ("1", "true", "yes"):
+            out["debug"] = True
+        elif flag == "values":
+            out["debug"] = "values"
+        elif flag not in ("", "0", "false", "no"):
+            raise ValueError(f"CKPT_FX_DEBUG must be 1, values or 0, got {flag!r}")
+        if os.environ.get("CKPT_FX_DEBUG_DIR"):
+            out["debug_dir"] = os.environ["CKPT_FX_DEBUG_DIR"]
+        return out
 
     @staticmethod
     def from_mapping(options: dict[str, Any] | None) -> Options:
@@ -53,7 +82,7 @@ class Options:
             raise ValueError(f"unknown ckpt option(s) {unknown}; valid: {', '.join(OPTION_KEYS)}")
         if "policy" in options:
             options["policy"] = policies.parse(options["policy"])
-        return Options(**options)
+        return Options(**{**Options.debug_from_env(), **options})
 
 
 class CkptBackend:
@@ -62,6 +91,7 @@ class CkptBackend:
     def __init__(self, options: Options):
         self.options = options
         self.plans: list[Plan] = []
+        self._graphs = 0
 
     def __repr__(self) -> str:
         return f"ckpt_fx.backend(policy={policies.policy_name(self.options.policy)}, compiler={self.options.compiler!r})"
@@ -69,6 +99,9 @@ class CkptBackend:
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         """AOTAutograd's partition_fn: our pipeline, or the default partition with one warning."""
         name = policies.policy_name(self.options.policy)
+        self._graphs += 1
+        debug = self.options.debug
+        folder = pathlib.Path(self.options.debug_dir) / f"graph_{self._graphs:03d}" if debug else None
         try:
             fw, bw, plan = pipeline.run(
                 joint,
@@ -77,7 +110,11 @@ class CkptBackend:
                 policy_name=name,
                 num_fwd_outputs=kwargs["num_fwd_outputs"],
                 static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+                dump=_dumper(folder) if folder is not None else None,
             )
+            if debug:
+                fw, bw = debug_checks_pass(fw, bw, recomputed=set(plan.recomputed), values=debug == "values")
+                log.info("ckpt_fx debug: graphs of each pass in %s", folder)
         except Exception as error:
             if self.options.strict:
                 raise
@@ -116,13 +153,42 @@ class CkptBackend:
 
 
 def backend(
-    *, policy: policies.Policy | str | None = None, compiler: str = "eager", strict: bool = False
+    *,
+    policy: policies.Policy | str | None = None,
+    compiler: str = "eager",
+    strict: bool = False,
+    debug: bool | str | None = None,
+    debug_dir: str | None = None,
 ) -> CkptBackend:
     """A torch.compile backend that checkpoints by `policy`; validates everything now.
+    debug and debug_dir default to CKPT_FX_DEBUG and CKPT_FX_DEBUG_DIR (off, "ckpt_fx_debug").
 
     >>> compiled = torch.compile(model, backend=ckpt_fx.backend(policy="segments:4"))
     """
-    return CkptBackend(Options(policy=policies.parse(policy), compiler=compiler, strict=strict))
+    given = {k: v for k, v in (("debug", debug), ("debug_dir", debug_dir)) if v is not None}
+    return CkptBackend(
+        Options(policy=policies.parse(policy), compiler=compiler, strict=strict, **{**Options.debug_from_env(), **given})
+    )
+
+
+def _dumper(folder: pathlib.Path):
+    """dump(pass, stage, gm): write gm's code, and the decisions after select, into folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    count = iter(range(1000))
+
+    def dump(name: str, stage: str, gm: torch.fx.GraphModule) -> None:
+        path = folder / f"{next(count):02d}_{name}_{stage}.py"
+        text = gm.code
+        if name == "select" and stage == "after":
+            lines = [
+                f"# {n.name:32s} {n.meta.get(PATH_KEY, ''):40s} {n.meta[RECOMPUTE_KEY].name:16s} {n.meta.get(REASON_KEY, '')}"
+                for n in gm.graph.nodes
+                if RECOMPUTE_KEY in n.meta
+            ]
+            text = "# decisions: node, module path, decision, reason\n" + "\n".join(lines) + "\n\n" + text
+        path.write_text(text)
+
+    return dump
 
 
 def ckpt(gm: torch.fx.GraphModule, example_inputs: list[Any], *, options: dict[str, Any] | None = None, **unused: Any):

@@ -94,5 +94,9 @@ def run(
             static_input_indices=static_lifetime_input_indices,
         ),
     )
-    log.debug("ckpt_fx passes: %s", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()))
+    log.log(
+        logging.INFO if dump is not None else logging.DEBUG,  # debug runs list the passes at INFO
+        "ckpt_fx passes: %s",
+        ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()),
+    )
     return fw, bw, plan
