@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import pathlib
@@ -92,6 +93,7 @@ class CkptBackend:
         self.options = options
         self.plans: list[Plan] = []
         self._graphs = 0
+        self._warned: set[str] = set()
 
     def __repr__(self) -> str:
         return f"ckpt_fx.backend(policy={policies.policy_name(self.options.policy)}, compiler={self.options.compiler!r})"
@@ -133,6 +135,7 @@ class CkptBackend:
             plan = None
         if plan is not None:
             self.plans.append(plan)
+            self._warn_if_unmatched(joint, plan, name)
             log.info(
                 "ckpt_fx: %s: saved %.1f MB, recompute %d ops (%.2f GFLOP), predicted peak %.1f MB",
                 name,
@@ -142,6 +145,27 @@ class CkptBackend:
                 plan.peak_bytes / 2**20,
             )
         return fw, bw
+
+    def _warn_if_unmatched(self, joint: torch.fx.GraphModule, plan: Plan, name: str) -> None:
+        """Warn once when a policy matched nothing in a graph that has blocks, or when an only_in
+        pattern names no module of it, listing the module paths that do exist."""
+        if not plan.blocks:
+            return  # a graph without blocks (a loss after a graph break) proves nothing
+        paths = sorted({n.meta[PATH_KEY] for n in joint.graph.nodes if n.meta.get(PATH_KEY)})
+        for pattern in getattr(self.options.policy, "patterns", ()):
+            if not any(fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p, pattern + ".*") for p in paths):
+                units = [b.path for b in plan.blocks]
+                shown = ", ".join(units[:6] + (["..."] if len(units) > 6 else []))
+                self._warn_once(f"ckpt_fx: only_in pattern {pattern!r} matches no module of this graph; "
+                                f"its units are {shown} (module paths like {paths[0]!r} ... {paths[-1]!r})")
+        if not plan.recomputed and name != policies.policy_name(policies.none()):
+            self._warn_once(f"ckpt_fx: policy {name} recomputes nothing in a graph with blocks "
+                            f"{', '.join(b.path for b in plan.blocks[:6])}{' ...' if len(plan.blocks) > 6 else ''}")
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=3)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
         return aot_autograd(

@@ -141,6 +141,7 @@ def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
     def combined(info: NodeInfo) -> CheckpointPolicy:
         return inner(info) if matches(info.module_path) else SAVE
 
+    combined.patterns = patterns  # type: ignore[attr-defined]  # checked against the graph's paths
     return _named(combined, f"only_in({list(patterns)!r}, {policy_name(inner)})")
 
 

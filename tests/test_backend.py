@@ -129,3 +129,19 @@ def test_skip_first_counts_blocks_of_the_model_not_of_the_graph():
     train_step(BrokenBetweenBlocks(), inputs(Spec(), 2, 6), b)
     paths = [[bp.path for bp in plan.blocks if bp.recomputed_ops] for plan in b.plans]
     assert paths == [["net.layers.1"], ["net.layers.2", "net.layers.3"]]
+
+
+def test_unknown_module_pattern_says_which_paths_exist():
+    b = ckpt_fx.backend(policy=ckpt_fx.policies.only_in("model.layers.*", "blocks"))
+    with pytest.warns(UserWarning, match=r"only_in pattern 'model.layers.\*' matches no module of this graph; "
+                                         r"its units are layers.0, layers.1, layers.2"):
+        train_step(make(SPEC), inputs(SPEC, 2, 6), b)
+
+
+def test_policy_that_matches_nothing_warns_once():
+    b = ckpt_fx.backend(policy="blocks:skip_first=9")
+    with pytest.warns(UserWarning, match=r"policy blocks\(every=1, skip_first=9\) recomputes nothing") as record:
+        train_step(make(SPEC), inputs(SPEC, 2, 6), b)
+        torch._dynamo.reset()
+        train_step(make(SPEC), inputs(SPEC, 2, 6), b)
+    assert sum("recomputes nothing" in str(w.message) for w in record) == 1
