@@ -25,6 +25,10 @@ class Spec:
     residual: bool = True
     dropout: float = 0.0
     batchnorm: bool = False
+    conv: bool = False  # a Conv1d + BatchNorm1d stage with a residual
+    shared: bool = False  # one Linear used twice in the same forward
+    tied: bool = False  # the head reuses the embedding's weight
+    frozen: bool = False  # the first block's parameters do not require grad (LoRA-style)
 
 
 class Block(nn.Module):
@@ -41,6 +45,11 @@ class Block(nn.Module):
             self.fc2 = nn.Linear(2 * d, d)
         self.drop = nn.Dropout(s.dropout)
         self.bn = nn.BatchNorm1d(d) if s.batchnorm else None
+        if s.conv:
+            self.conv = nn.Conv1d(d, d, 3, padding=1)
+            self.conv_bn = nn.BatchNorm1d(d)
+        if s.shared:
+            self.twice = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.s
@@ -59,6 +68,11 @@ class Block(nn.Module):
             h = self.fc2(self.drop(F.gelu(self.fc(h))))
         if self.bn is not None:
             h = self.bn(h.reshape(b * t, d)).reshape(b, t, d)
+        if s.conv:
+            c = F.relu(self.conv_bn(self.conv(h.transpose(1, 2))))
+            h = h + F.max_pool1d(F.pad(c, (0, 1)), 2, stride=1).transpose(1, 2)
+        if s.shared:
+            h = self.twice(torch.tanh(self.twice(h)))
         return x + h if s.residual else h
 
 
@@ -68,6 +82,10 @@ class Net(nn.Module):
         self.embed = nn.Embedding(vocab, s.width) if s.embedding else nn.Linear(s.width, s.width)
         self.layers = nn.ModuleList(Block(s) for _ in range(s.depth))
         self.head = nn.Linear(s.width, vocab)
+        if s.tied and s.embedding:
+            self.head.weight = self.embed.weight
+        if s.frozen:
+            self.layers[0].requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
