@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from ckpt_fx import policies
 from ckpt_fx.backend import CkptBackend, Options
 from ckpt_fx.measure import peak_bytes
+from passes._compat import pytree
 from passes import Plan, step_peak_bytes
 from passes.regions import REGION_KEY, forward_nodes
 from passes.select import RECOMPUTE, REASON_KEY

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from ckpt_fx import policies
 from ckpt_fx.backend import CkptBackend, Options
 from passes import Plan
-from passes._compat import aot_module_simplified, boxed_nop
+from passes._compat import aot_module_simplified, boxed_nop, pytree
 
 
 class RewrittenGraphModule(torch.fx.GraphModule):
@@ -122,7 +122,7 @@ def rewrite_graph(
     checkpointed.__module__ = __name__
 
     graph = torch.fx.Graph()
-    inputs = [graph.placeholder(n.target, default_value=n.args[0] if n.args else torch.fx.node.inspect.Signature.empty) for n in placeholders]
+    inputs = [graph.placeholder(n.target, default_value=n.args[0] if n.args else inspect.Signature.empty) for n in placeholders]
     call = graph.call_function(checkpointed, tuple(inputs))
     node_leaves = iter(range(sum(isinstance(leaf, torch.fx.Node) for leaf in leaves)))
     out_leaves = [graph.call_function(_getitem, (call, next(node_leaves))) if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]

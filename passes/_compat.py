@@ -6,10 +6,12 @@ When torch moves one of these, this is the only file to change.
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
+from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
 try:  # torch >= 2.12
@@ -19,6 +21,9 @@ except ImportError:  # torch 2.11
 
 __all__ = [
     "CheckpointPolicy",
+    "HigherOrderOperator",
+    "OpOverload",
+    "pytree",
     "aot_autograd",
     "aot_module_simplified",
     "boxed_nop",

@@ -7,7 +7,7 @@ import operator
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from passes._compat import size_hint
+from passes._compat import OpOverload, pytree, size_hint
 
 BYTES_KEY = "ckpt_fx.bytes"
 FLOPS_KEY = "ckpt_fx.flops"
@@ -26,7 +26,7 @@ def tensor_bytes(value: object) -> int:
 def is_view(node: torch.fx.Node) -> bool:
     """True when the node's output aliases an input (a view: it allocates nothing)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
     return any(ret.alias_info is not None for ret in target._schema.returns)
 
@@ -39,7 +39,7 @@ def is_multi_output(node: torch.fx.Node) -> bool:
 def node_flops(node: torch.fx.Node) -> int:
     """FLOPs of one call, from torch.utils.flop_counter's formulas; 0 where it has none."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return 0
     formula = flop_registry.get(target.overloadpacket)
     if formula is None:
@@ -48,8 +48,8 @@ def node_flops(node: torch.fx.Node) -> int:
     def val(a):
         return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
 
-    args = torch.utils._pytree.tree_map(val, node.args)
-    kwargs = torch.utils._pytree.tree_map(val, node.kwargs)
+    args = pytree.tree_map(val, node.args)
+    kwargs = pytree.tree_map(val, node.kwargs)
     try:
         return size_hint(formula(*args, out_val=node.meta.get("val"), **kwargs))
     except Exception:  # noqa: BLE001 - a formula that cannot read these shapes counts nothing

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes._compat import RECOMPUTE_KEY, CheckpointPolicy, size_hint
+from passes._compat import RECOMPUTE_KEY, CheckpointPolicy, HigherOrderOperator, OpOverload, size_hint
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_view
 from passes.regions import PATH_KEY, REGION_KEY, Block, Region, forward_nodes
 
@@ -54,14 +54,14 @@ def hard_rule(node: torch.fx.Node) -> str | None:
     target = node.target
     if node.op != "call_function":
         return None
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags:
             return "random"
         if target.namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
             return "collective"
         if target._schema.is_mutable:
             return "mutation"
-    if isinstance(target, torch._ops.HigherOrderOperator) and target.name() in ("with_effects", "run_with_rng_state"):
+    if isinstance(target, HigherOrderOperator) and target.name() in ("with_effects", "run_with_rng_state"):
         return "effectful"
     if node.is_impure():
         return "impure"
