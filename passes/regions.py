@@ -21,9 +21,10 @@ PATH_KEY = "ckpt_fx.module_path"
 # A stack is a container (ModuleList, Sequential, or any module) whose children are named by
 # integers and are instances of one class: HF's model.layers.N, transformer.h.N, encoder.layer.N,
 # blocks.N, or a plain nn.Sequential at the top. A model may have several stacks (an encoder and a
-# decoder); a stack nested inside a member of another (experts inside a block) is not a stack of
-# its own. Blocks are numbered by their index in the path, stacks following each other in the
-# order the forward first reaches them.
+# decoder). One member seen is enough: a graph that DDP split at a bucket boundary, or that a
+# graph break cut, may hold a single block of a stack. A stack nested inside a member of another
+# (experts inside a block) is not a stack of its own. Blocks are numbered by their index in the
+# path, stacks following each other in the order the forward first reaches them.
 # A model with no stack uses its top-level children as units, and says so once.
 
 
@@ -146,7 +147,7 @@ def regions_pass(gm: torch.fx.GraphModule) -> RegionMap:
     candidates = []
     for parent, members in children.items():
         classes = {c for cs in members.values() for c in cs}
-        if len(members) >= 2 and len(classes) == 1:
+        if len(classes) == 1:  # one member is enough: a graph split by DDP or a break may hold one
             candidates.append(parent)
     # Drop stacks nested inside a member of another stack.
     stacks = [s for s in candidates if not any(o != s and _inside_member(s, o) for o in candidates)]

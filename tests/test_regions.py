@@ -107,3 +107,11 @@ def test_node_without_module_stack_is_other():
     gm = graph_of([[("layers.0", Blk)], [], [("layers.1", Blk)]])
     regions_pass(gm)
     assert [r.kind for r in regions(gm)] == ["block", "other", "block"]
+
+
+def test_a_graph_holding_one_block_of_a_stack_still_finds_it():
+    """DDP's bucket split or a graph break can leave one block in a graph: it keeps its index."""
+    gm = graph_of([[("model.layers.5", Blk)], [("model.norm", nn.LayerNorm)], [("lm_head", nn.Linear)]])
+    found = regions_pass(gm)
+    assert not found.top_level_units
+    assert [(b.path, b.index, b.number) for b in found.blocks] == [("model.layers.5", 5, 5)]
