@@ -19,7 +19,9 @@ def partition_pass(
     The forward saves every forward value the backward needs unless it is marked for recompute;
     the backward receives copies of the recomputed nodes (same names, same meta). This is the
     contract of torch's default partitioner for recompute tags, which we reuse rather than
-    duplicate. Does not mutate the joint graph's nodes beyond torch's own tag clean-up;
+    duplicate. Torch orders the backward it returns much as schedule_pass does; schedule_pass
+    still runs after it, so the just-in-time order is ours to guarantee and test whatever a torch
+    release does here. Does not mutate the joint graph's nodes beyond torch's own tag clean-up;
     deterministic.
     """
     return default_partition(

@@ -140,3 +140,22 @@ def close(a: Step, b: Step, *, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
         and all(torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a.grads, b.grads) if x is not None)
         and all(torch.allclose(x.float(), y.float(), rtol=rtol, atol=atol) for x, y in zip(a.buffers, b.buffers))
     )
+
+
+class Recorder:
+    """A ckpt backend that keeps, per partitioned graph, the joint graph (with its decisions) and
+    the backward it produced."""
+
+    def __init__(self, policy):
+        import ckpt_fx
+
+        self.backend = ckpt_fx.backend(policy=policy, strict=True)
+        self.graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
+        inner = self.backend.partition
+
+        def partition(joint, joint_inputs, **kwargs):
+            fw, bw = inner(joint, joint_inputs, **kwargs)
+            self.graphs.append((joint, bw))
+            return fw, bw
+
+        self.backend.partition = partition

@@ -14,7 +14,7 @@ import ckpt_fx
 from ckpt_fx import CheckpointPolicy, policies
 from passes.regions import forward_nodes
 from passes.select import hard_rule
-from tests._models import Spec, bitwise_equal, close, inputs, make, train_step
+from tests._models import Recorder, Spec, bitwise_equal, close, inputs, make, train_step
 
 
 def coin_policy(info: ckpt_fx.NodeInfo) -> CheckpointPolicy:
@@ -60,22 +60,6 @@ specs = st.builds(
     tied=st.booleans(),
     frozen=st.booleans(),
 )
-
-
-class Recorder:
-    """A ckpt backend that keeps the joint and backward graphs it partitioned."""
-
-    def __init__(self, policy):
-        self.backend = ckpt_fx.backend(policy=policy, strict=True)
-        self.graphs = []
-        inner = self.backend.partition
-
-        def partition(joint, joint_inputs, **kwargs):
-            fw, bw = inner(joint, joint_inputs, **kwargs)
-            self.graphs.append((joint, bw))
-            return fw, bw
-
-        self.backend.partition = partition
 
 
 def functional_reference(model: torch.nn.Module, x: torch.Tensor, seed: int = 7):

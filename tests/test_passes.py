@@ -13,28 +13,11 @@ from passes.memory import _walk
 from passes.regions import forward_nodes
 from passes.schedule import first_use_distance, schedule_pass
 from passes.select import REASON_KEY
-from tests._models import Spec, inputs, make, train_step
+from tests._models import Recorder, Spec, inputs, make, train_step
 
 
 def recompute_everything(info):
     return CheckpointPolicy.MUST_RECOMPUTE
-
-
-class Capture:
-    """A ckpt backend that keeps the joint graph (with decisions) and the backward it produced."""
-
-    def __init__(self, policy):
-        self.backend = ckpt_fx.backend(policy=policy, strict=True)
-        self.joints, self.backwards = [], []
-        inner = self.backend.partition
-
-        def partition(joint, joint_inputs, **kwargs):
-            fw, bw = inner(joint, joint_inputs, **kwargs)
-            self.joints.append(joint)
-            self.backwards.append(bw)
-            return fw, bw
-
-        self.backend.partition = partition
 
 
 def test_hard_rules_beat_a_policy_that_recomputes_everything():
@@ -42,15 +25,15 @@ def test_hard_rules_beat_a_policy_that_recomputes_everything():
     and the gradients stay equal to eager's."""
     spec = Spec(depth=2, width=8, dropout=0.5, batchnorm=True)
     model, x = make(spec), inputs(spec, 2, 4)
-    cap = Capture(recompute_everything)
+    cap = Recorder(recompute_everything)
     got = train_step(model, x, cap.backend)
     eager = train_step(model, x)
-    reasons = {n.meta.get(REASON_KEY) for n in cap.joints[0].graph.nodes}
+    reasons = {n.meta.get(REASON_KEY) for n in cap.graphs[0][0].graph.nodes}
     assert "random (tuple element)" in reasons  # native_dropout's mask
     assert "mutation source (tuple element)" in reasons  # BatchNorm's new running stats, copied into the buffers
     assert all(n.meta.get(REASON_KEY) != "policy" or n.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
-               for n in cap.joints[0].graph.nodes if n.op == "call_function" and n in set(forward_nodes(cap.joints[0].graph)))
-    for n in cap.backwards[0].graph.nodes:
+               for n in cap.graphs[0][0].graph.nodes if n.op == "call_function" and n in set(forward_nodes(cap.graphs[0][0].graph)))
+    for n in cap.graphs[0][1].graph.nodes:
         if isinstance(n.target, torch._ops.OpOverload):
             assert torch.Tag.nondeterministic_seeded not in n.target.tags
             assert n.target is not torch.ops.aten._native_batch_norm_legit_functional.default
@@ -82,9 +65,9 @@ def test_schedule_recomputes_each_block_just_before_its_gradients():
     first use and the simulated backward peak falls (Note [Just-in-time recompute])."""
     spec = Spec(depth=6, width=32)
     model, x = make(spec), inputs(spec, 4, 32)
-    cap = Capture("blocks:every=1,skip_first=0")
+    cap = Recorder("blocks:every=1,skip_first=0")
     train_step(model, x, cap.backend)
-    bw = cap.backwards[0]
+    bw = cap.graphs[0][1]
     recomputed = set(cap.backend.plans[0].recomputed)
     assert len(recomputed) > 20
     naive = _recompute_first(bw, recomputed)
