@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from passes.solve import Infeasible
+
 from ckpt_fx import policies
 from passes import Plan
 from passes import pipeline
@@ -118,7 +120,8 @@ class CkptBackend:
                 fw, bw = debug_checks_pass(fw, bw, recomputed=set(plan.recomputed), values=debug == "values")
                 log.info("ckpt_fx debug: graphs of each pass in %s", folder)
         except Exception as error:
-            if self.options.strict:
+            # A budget no plan fits is the user's to change, not a graph we cannot handle.
+            if self.options.strict or isinstance(error.__cause__, Infeasible):
                 raise
             for node in joint.graph.nodes:
                 node.meta.pop(RECOMPUTE_KEY, None)

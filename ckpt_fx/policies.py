@@ -4,6 +4,8 @@
     segments(size, skip_first=0)    "segments:4"
     sqrt(skip_first=0)              "sqrt"
     none()                          "none"
+    graph()                         "graph"
+    budget(0.3), budget("2GiB")     "budget:0.3", "budget:2GiB"
     only_in(patterns, policy)       checkpoint only inside module paths matching the patterns
 
 A checkpointed unit (a block, or a segment of consecutive blocks) saves only what leaves it (its
@@ -15,13 +17,13 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from passes import NodeInfo, Policy
 from passes._compat import CheckpointPolicy
 from passes.regions import Block
 
-__all__ = ["CheckpointPolicy", "NodeInfo", "Policy", "blocks", "none", "only_in", "parse", "segments", "sqrt"]
+__all__ = ["CheckpointPolicy", "NodeInfo", "Policy", "blocks", "budget", "graph", "none", "only_in", "parse", "segments", "sqrt"]
 
 SAVE = CheckpointPolicy.PREFER_SAVE
 BOUNDARY = CheckpointPolicy.MUST_SAVE
@@ -35,6 +37,9 @@ FORMS = (
     '"segments:size=N,skip_first=K"',
     '"sqrt"',
     '"none"',
+    '"graph"',
+    '"budget:0.3"',
+    '"budget:2GiB"',
     "a callable (node_info) -> CheckpointPolicy",
 )
 
@@ -122,7 +127,101 @@ def none() -> Policy:
     def policy(info: NodeInfo) -> CheckpointPolicy:
         return SAVE
 
+    policy.uses_blocks = False  # type: ignore[attr-defined]
     return _named(policy, "none()")
+
+
+def graph() -> Policy:
+    """Checkpoint each compiled graph as one unit: save its inputs, recompute the rest (embeddings
+    excepted) in the backward.
+
+    For models whose blocks are compiled one by one, so that each graph is one block: FSDP2 with
+    `fully_shard` on every block (dynamo compiles each FSDP module on its own), or torch.compile
+    applied per block. One compiled graph then serves every block, so `every` and `skip_first`
+    cannot tell blocks apart: to leave a block out, do not compile it (per-block compile).
+    """
+
+    def policy(info: NodeInfo) -> CheckpointPolicy:
+        return SAVE if info.region == "embedding" else RECOMPUTE
+
+    policy.uses_blocks = False  # type: ignore[attr-defined]
+    return _named(policy, "graph()")
+
+
+_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
+
+
+def _budget_value(limit: float | str) -> tuple[float | None, int | None]:
+    """(fraction, None) or (None, bytes) from 0.3, "0.3", "2GiB", "512MB"."""
+    if isinstance(limit, bool):
+        raise ValueError(f"budget: limit must be a fraction in (0, 1] or a size like '2GiB', got {limit!r}")
+    if isinstance(limit, (int, float)):
+        if not 0 < limit <= 1:
+            raise ValueError(
+                f"budget: a fraction must lie in (0, 1] (of the activation memory without checkpointing), "
+                f"got {limit!r}; for an absolute size write e.g. '2GiB'"
+            )
+        return float(limit), None
+    if isinstance(limit, str):
+        text = limit.strip().lower().replace(" ", "")
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(number):]
+        try:
+            value = float(number)
+        except ValueError:
+            value = None
+        if value is not None and not unit:
+            return _budget_value(value)
+        if value is not None and unit in _UNITS and value > 0:
+            return None, int(value * _UNITS[unit])
+    raise ValueError(
+        f"budget: cannot read {limit!r}; write a fraction in (0, 1] like 0.3, or a size like '2GiB', "
+        f"'512MB' (units: {', '.join(_UNITS)})"
+    )
+
+
+# Saved-bytes fractions of the no-recompute plan at which budget() offers MILP plans; fixed, so
+# that every budget chooses from the same candidates (Note [Peak-aware budget]).
+BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
+
+
+def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5) -> Policy:
+    """The cheapest plan whose predicted peak fits `limit`.
+
+    `limit` is a fraction of the activation memory of the step without checkpointing (0.3 keeps
+    the predicted peak at gradients + 30% of the rest), or a size for the step's predicted peak
+    of the graph ("2GiB", "512MB"). Candidate plans come from passes.solve (Note [The recompute
+    problem]: least recompute cost for a number of saved bytes; exact MILP under `time_limit`
+    seconds, the exact chain DP for chains, greedy on large graphs; `solver` picks one), each is
+    partitioned and its peak predicted, and the cheapest that fits wins (Note [Peak-aware
+    budget]). Embeddings and hard-ruled ops are never recomputed; what leaves a block is kept.
+    A limit no candidate fits raises passes.solve.Infeasible naming the smallest feasible one.
+    """
+    from passes.budget import Chooser, candidate_policies
+    from passes.solve import SOLVERS
+
+    fraction, nbytes = _budget_value(limit)
+    if solver != "auto" and solver not in SOLVERS:
+        raise ValueError(f"budget: unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or time_limit <= 0:
+        raise ValueError(f"budget: time_limit must be a positive number of seconds, got {time_limit!r}")
+    shown = f"{fraction:g}" if fraction is not None else f"{limit.strip()!r}"  # type: ignore[union-attr]
+
+    def policy(info: NodeInfo) -> CheckpointPolicy:
+        raise RuntimeError("budget() decides over the whole graph: the pipeline asks it for candidates")
+
+    def candidates(gm, hard_rules: dict[str, str]) -> Iterator[Policy]:
+        return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=solver, time_limit=time_limit)
+
+    def chooser() -> Chooser:
+        return Chooser(fraction=fraction, nbytes=nbytes, shown=shown)
+
+    policy.candidates = candidates  # type: ignore[attr-defined]
+    policy.chooser = chooser  # type: ignore[attr-defined]
+    policy.choices = []  # type: ignore[attr-defined]
+    policy.uses_blocks = False  # type: ignore[attr-defined]
+    extra = "" if solver == "auto" else f", solver={solver!r}"
+    return _named(policy, f"budget({shown}{extra})")
 
 
 def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
@@ -175,7 +274,12 @@ def parse(spec: str | Policy | None) -> Policy:
         raise ValueError(f"policy must be a string or a callable, got {spec!r}; valid forms: {', '.join(FORMS)}")
     name, _, args = spec.strip().partition(":")
     name = name.strip().lower()
-    factories = {"blocks": (blocks, "every"), "segments": (segments, "size"), "sqrt": (sqrt, None), "none": (none, None)}
+    if name == "budget":
+        if not args.strip():
+            raise ValueError(f"policy 'budget' needs a limit, e.g. \"budget:0.3\" or \"budget:2GiB\"; valid forms: {', '.join(FORMS)}")
+        return budget(args.strip())
+    factories = {"blocks": (blocks, "every"), "segments": (segments, "size"), "sqrt": (sqrt, None), "none": (none, None),
+                 "graph": (graph, None), "budget": (budget, None)}
     if name not in factories:
         hint = [k for k in factories if k.startswith(name[:2])] if name else []
         did = f" (did you mean {hint[0]!r}?)" if hint else ""

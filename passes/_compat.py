@@ -59,3 +59,11 @@ def size_hint(value: int | torch.SymInt, fallback: int = 1) -> int:
             return fallback
     hint = getattr(getattr(value, "node", None), "hint", None)
     return int(hint) if hint is not None else fallback
+
+
+def is_impure_not_random(node: torch.fx.Node) -> bool:
+    """fx's side-effect check, random ops not counted (select judges those by their arguments)."""
+    try:
+        return node.is_impure(impure_random=False)
+    except TypeError:  # an fx without the keyword: it did not count random ops as impure
+        return node.is_impure()

@@ -14,7 +14,7 @@ from passes.memory import Plan, memory_pass
 from passes.partition import partition_pass
 from passes.regions import forward_nodes, regions_pass
 from passes.schedule import schedule_pass
-from passes.select import Policy, select_pass
+from passes.select import Policy, hard_rules, select_pass
 
 log = logging.getLogger("ckpt_fx")
 
@@ -55,45 +55,69 @@ def run(
             raise
         except Exception as error:
             raise PassError(name, error) from error
-        timings[name] = time.perf_counter() - start
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
         return result
 
     step("dropout", lambda: dropout_pass(joint), joint)
-    region_map = step("regions", lambda: regions_pass(joint), joint)
+    # A policy that does not look at blocks (graph(), none()) needs no warning about missing ones.
+    warn = getattr(policy, "uses_blocks", True)
+    region_map = step("regions", lambda: regions_pass(joint, warn=warn), joint)
     step("costs", lambda: costs_pass(joint), joint)
-    forced = step("select", lambda: select_pass(joint, policy=policy), joint)
-    if dump is not None:
-        dump("select", "after", joint)
-    forward_names = {n.name for n in forward_nodes(joint.graph) if n.op == "call_function"}
-    fw, bw = step(
-        "partition",
-        lambda: partition_pass(
+
+    def plan_with(node_policy: Policy, name: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
+        forced = step("select", lambda: select_pass(joint, policy=node_policy), joint)
+        if dump is not None:
+            dump("select", "after", joint)
+        forward_names = {n.name for n in forward_nodes(joint.graph) if n.op == "call_function"}
+        fw, bw = step(
+            "partition",
+            lambda: partition_pass(
+                joint,
+                joint_inputs,
+                num_fwd_outputs=num_fwd_outputs,
+                static_lifetime_input_indices=static_lifetime_input_indices,
+            ),
             joint,
-            joint_inputs,
-            num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_indices=static_lifetime_input_indices,
-        ),
-        joint,
-    )
-    recomputed = {n.name for n in bw.graph.nodes if n.name in forward_names}
-    bw = step("schedule", lambda: schedule_pass(bw, recomputed=recomputed), bw)
-    if dump is not None:
-        dump("schedule", "after", bw)
-        dump("partition", "forward", fw)
-    plan = step(
-        "memory",
-        lambda: memory_pass(
-            fw,
-            bw,
-            num_fwd_outputs=num_fwd_outputs,
-            policy=policy_name,
-            forward_names=forward_names,
-            hard_rules=forced,
-            top_level_units=region_map.top_level_units,
-            block_paths=tuple(b.path for b in region_map.blocks),
-            static_input_indices=static_lifetime_input_indices,
-        ),
-    )
+        )
+        recomputed = {n.name for n in bw.graph.nodes if n.name in forward_names}
+        bw = step("schedule", lambda: schedule_pass(bw, recomputed=recomputed), bw)
+        if dump is not None:
+            dump("schedule", "after", bw)
+            dump("partition", "forward", fw)
+        plan = step(
+            "memory",
+            lambda: memory_pass(
+                fw,
+                bw,
+                num_fwd_outputs=num_fwd_outputs,
+                policy=name,
+                forward_names=forward_names,
+                hard_rules=forced,
+                top_level_units=region_map.top_level_units,
+                block_paths=tuple(b.path for b in region_map.blocks),
+                static_input_indices=static_lifetime_input_indices,
+            ),
+        )
+        return fw, bw, plan
+
+    # A policy with candidates (a memory budget) offers several plans; each is planned in full
+    # and the policy picks one by the plans' predicted peaks (Note [Peak-aware budget]).
+    candidates = getattr(policy, "candidates", None)
+    if candidates is None:
+        fw, bw, plan = plan_with(policy, policy_name)
+    else:
+        chooser = policy.chooser()
+        found = None
+        for candidate in candidates(joint, hard_rules(joint)):
+            result = plan_with(candidate, policy_name)
+            choice = step("select", lambda: chooser.accept(result[2], candidate))
+            if choice is not None:
+                found = result
+                policy.choices.append(choice)
+                break
+        if found is None:
+            step("select", chooser.reject)
+        fw, bw, plan = found
     log.log(
         logging.INFO if dump is not None else logging.DEBUG,  # debug runs list the passes at INFO
         "ckpt_fx passes: %s",

@@ -127,8 +127,10 @@ def forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return out
 
 
-def regions_pass(gm: torch.fx.GraphModule) -> RegionMap:
+def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
     """Write a Region and a module path into node.meta of every forward node of a joint graph.
+
+    warn=False keeps quiet when no stack is found (for policies that do not use blocks).
 
     Mutates node.meta only (keys REGION_KEY, PATH_KEY); keeps nodes and names; deterministic.
     """
@@ -169,10 +171,11 @@ def regions_pass(gm: torch.fx.GraphModule) -> RegionMap:
                 if top not in tops:
                     tops.append(top)
         top_level = bool(tops)
-        if top_level:
+        if top_level and warn:
             warnings.warn(
                 "ckpt_fx: no stack of repeated blocks found in this graph; using its top-level "
-                f"children ({', '.join(tops)}) as checkpoint units",
+                f"children ({', '.join(tops)}) as checkpoint units; if each block is compiled on its own "
+                "(FSDP2's fully_shard per block, torch.compile per block), use policy=\"graph\"",
                 stacklevel=2,
             )
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes._compat import RECOMPUTE_KEY, CheckpointPolicy, HigherOrderOperator, OpOverload, size_hint
+from passes._compat import RECOMPUTE_KEY, CheckpointPolicy, HigherOrderOperator, OpOverload, is_impure_not_random, size_hint
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_view
 from passes.regions import PATH_KEY, REGION_KEY, Block, Region, forward_nodes
 
@@ -55,7 +55,7 @@ def hard_rule(node: torch.fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     if isinstance(target, OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags:
+        if torch.Tag.nondeterministic_seeded in target.tags and not _dropout_off(node, target):
             return "random"
         if target.namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
             return "collective"
@@ -63,7 +63,7 @@ def hard_rule(node: torch.fx.Node) -> str | None:
             return "mutation"
     if isinstance(target, HigherOrderOperator) and target.name() in ("with_effects", "run_with_rng_state"):
         return "effectful"
-    if node.is_impure():
+    if is_impure_not_random(node):
         return "impure"
     # The source of a mutation of an input (BatchNorm's running stats), or a tuple one element
     # of which is: the op runs exactly once, in the forward.
@@ -73,6 +73,19 @@ def hard_rule(node: torch.fx.Node) -> str | None:
             if user.target is torch.ops.aten.copy_.default and user.args[1] is out:
                 return "mutation source"
     return None
+
+
+def _dropout_off(node: torch.fx.Node, target: OpOverload) -> bool:
+    """True for an op tagged random only for its dropout (attention), called with dropout_p=0:
+    it is deterministic then, and may be recomputed."""
+    for position, argument in enumerate(target._schema.arguments):
+        if argument.name == "dropout_p":
+            if position < len(node.args):
+                value = node.args[position]
+            else:
+                value = node.kwargs.get("dropout_p", argument.default_value)
+            return isinstance(value, (int, float)) and value == 0
+    return False
 
 
 def _info(node: torch.fx.Node, fwd: set[torch.fx.Node]) -> NodeInfo:
@@ -100,6 +113,23 @@ def _info(node: torch.fx.Node, fwd: set[torch.fx.Node]) -> NodeInfo:
     )
 
 
+def hard_rules(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """{node name: why} for the forward call nodes that must never be recomputed (see hard_rule);
+    a tuple element inherits its producer's rule."""
+    forced: dict[str, str] = {}
+    for node in forward_nodes(gm.graph):
+        if node.op != "call_function":
+            continue
+        reason = hard_rule(node)
+        parent = node.args[0] if node.target is operator.getitem else None
+        if reason is None and isinstance(parent, torch.fx.Node):
+            parent_reason = hard_rule(parent)
+            reason = f"{parent_reason} (tuple element)" if parent_reason else None
+        if reason is not None:
+            forced[node.name] = reason
+    return forced
+
+
 def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, str]:
     """Write a CheckpointPolicy into node.meta["recompute"] of every forward call node.
 
@@ -109,22 +139,16 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, str]:
     """
     fwd_list = forward_nodes(gm.graph)
     fwd = set(fwd_list)
-    forced: dict[str, str] = {}
     for node in gm.graph.nodes:
         node.meta.pop(RECOMPUTE_KEY, None)
         node.meta.pop(REASON_KEY, None)
+    forced = hard_rules(gm)
     for node in fwd_list:
-        if node.op != "call_function":
-            continue
-        reason = hard_rule(node)
-        parent = node.args[0] if node.target is operator.getitem else None
-        if reason is None and isinstance(parent, torch.fx.Node):
-            parent_reason = hard_rule(parent)
-            reason = f"{parent_reason} (tuple element)" if parent_reason else None
-        if reason is not None:
+        if node.name in forced:
             node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
-            node.meta[REASON_KEY] = reason
-            forced[node.name] = reason
+            node.meta[REASON_KEY] = forced[node.name]
+    for node in fwd_list:
+        if node.op != "call_function" or node.name in forced:
             continue
         decision = policy(_info(node, fwd))
         if not isinstance(decision, CheckpointPolicy):

@@ -33,6 +33,7 @@ def info(block: Block | None, users: tuple, *, region: str | None = None, path: 
         ("segments:size=3,skip_first=1", "segments(size=3, skip_first=1)"),
         ("sqrt", "sqrt(skip_first=0)"),
         (" None ", "none()"),
+        ("graph", "graph()"),
     ],
 )
 def test_string_forms(spec, name):
@@ -140,3 +141,42 @@ def test_only_in_restricts_a_policy_to_module_paths():
 def test_none_saves_everything():
     b = blocks_of(2)
     assert policies.none()(info(b[1], (b[1],))) == CheckpointPolicy.PREFER_SAVE
+
+
+def test_graph_recomputes_everything_but_embeddings():
+    """graph(): one graph is one unit, whatever regions found (FSDP2 compiles each block alone)."""
+    b = blocks_of(2)
+    p = policies.graph()
+    assert p(info(b[0], (b[1],))) == CheckpointPolicy.MUST_RECOMPUTE
+    assert p(info(None, (None,))) == CheckpointPolicy.MUST_RECOMPUTE
+    assert p(info(None, (b[0],), region="embedding")) == CheckpointPolicy.PREFER_SAVE
+
+
+def test_graph_on_one_compiled_block_saves_only_its_inputs():
+    """A block compiled on its own: "graph" keeps out every activation of the block and gives
+    eager's gradients, without the no-stack warning."""
+    import warnings
+
+    import torch
+
+    from ckpt_fx.models import build
+
+    block = build("llama", layers=1, dim=64, heads=2).layers[0]
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    cos, sin = torch.randn(64, 32), torch.randn(64, 32)
+    block(x, cos, sin).square().sum().backward()
+    eager = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    backend = ckpt_fx.backend(policy="graph", strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.compile(block, backend=backend)(x, cos, sin).square().sum().backward()
+    for got, want in zip([p.grad for p in block.parameters()] + [x.grad], eager, strict=True):
+        torch.testing.assert_close(got, want)
+    plan = backend.plans[0]
+    assert plan.recomputed
+    # Only the generator state torch's partitioner keeps to replay attention (an op tagged random,
+    # called with dropout_p=0) is saved besides the inputs: far less than one activation.
+    activation = x.numel() * x.element_size()
+    assert sum(s.nbytes for s in plan.saved if not s.is_input) < activation / 4, [s.name for s in plan.saved]

@@ -1,0 +1,240 @@
+"""budget: turn a joint graph into a recompute Problem (passes.solve) and a solution back into
+recompute decisions. Used by the memory-budget policy through select_pass's `prepare` hook.
+
+Values: the forward call nodes. A view cannot be saved on its own (saving it keeps its base
+alive): it is recomputed from its base, for free. A tuple-valued node is read through its getitems,
+which carry the bytes. Embeddings and hard-ruled nodes (random, mutating, collectives) are never
+recomputed. Graph inputs and parameters are always at hand and are not values.
+
+Note [Block boundaries under a budget]
+Saved bytes alone do not bound the peak: a value recomputed for block 11's backward from block 0's
+input rebuilds blocks 0..10 at once, and those stay alive until their own backward: measured on a
+GPT, a budget of 0.05 peaked higher than one of 0.1. So when the graph has blocks, what leaves a
+block (its output, read by the next) is always saved, as the block policies do: a recompute never
+reaches past one block, and the peak falls with the budget. The smallest feasible budget is then
+about per-block checkpointing's saved bytes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from passes._compat import CheckpointPolicy
+from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
+from passes.regions import REGION_KEY, forward_nodes
+from passes.solve import Problem, Solution, solve
+
+# Note [Roofline cost]
+# The recompute cost of a node is its time on a roofline: max(FLOPs / peak FLOP/s, bytes moved /
+# bandwidth), bytes moved being its inputs' and output's sizes. Only ratios between nodes matter to
+# the solver, so the constants need to be right in proportion, not exactly: they put matmuls
+# (compute-bound) and pointwise ops (memory-bound) on one scale.
+ROOFLINES = {  # device type: (FLOP/s, bytes/s)
+    "cpu": (2e11, 2e10),
+    "cuda": (4e14, 3e12),
+}
+_OVERHEAD_S = 1e-6  # per op: launching anything costs something
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A Problem and the nodes its values stand for."""
+
+    problem: Problem
+    nodes: tuple[torch.fx.Node, ...]
+
+
+def roofline_cost(node: torch.fx.Node, device: str) -> float:
+    flops_s, bytes_s = ROOFLINES.get(device, ROOFLINES["cuda"])
+    if is_view(node) or node.target is operator.getitem:
+        return 0.0
+    moved = tensor_bytes(node.meta.get("val"))
+    for arg in node.all_input_nodes:
+        moved += tensor_bytes(arg.meta.get("val"))
+    return _OVERHEAD_S + max(node.meta.get(FLOPS_KEY, 0) / flops_s, moved / bytes_s)
+
+
+def graph_device(gm: torch.fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cpu"
+
+
+def build_problem(
+    gm: torch.fx.GraphModule,
+    *,
+    hard_rules: dict[str, str],
+    cost: Callable[[torch.fx.Node], float] | None = None,
+) -> Graph:
+    """The recompute Problem of a joint graph whose nodes carry regions and costs."""
+    device = graph_device(gm)
+    cost = cost or (lambda n: roofline_cost(n, device))
+    fwd = forward_nodes(gm.graph)
+    fwd_set = set(fwd)
+    nodes = tuple(n for n in fwd if n.op == "call_function")
+    index = {n: i for i, n in enumerate(nodes)}
+    names, nbytes, costs, inputs, needed, saveable, recomputable = [], [], [], [], [], [], []
+    for node in nodes:
+        names.append(node.name)
+        view_or_tuple = is_view(node) or is_multi_output(node) or isinstance(node.meta.get("val"), (tuple, list))
+        nbytes.append(0 if view_or_tuple else node.meta.get(BYTES_KEY, 0))
+        costs.append(cost(node))
+        inputs.append(tuple(sorted({index[a] for a in node.all_input_nodes if a in index})))
+        needed.append(any(u not in fwd_set and u.op != "output" for u in node.users))
+        saveable.append(not view_or_tuple)
+        region = node.meta.get(REGION_KEY)
+        recomputable.append(node.name not in hard_rules and not (region is not None and region.kind == "embedding"))
+    for i in _boundaries(nodes, index, saveable):
+        recomputable[i] = False
+    problem = Problem(
+        names=tuple(names), nbytes=tuple(nbytes), cost=tuple(costs), inputs=tuple(inputs),
+        needed=tuple(needed), saveable=tuple(saveable), recomputable=tuple(recomputable),
+    )
+    return Graph(problem=problem, nodes=nodes)
+
+
+def _block_of(node: torch.fx.Node) -> object | None:
+    region = node.meta.get(REGION_KEY)
+    return region.block if region is not None and region.kind == "block" else None
+
+
+def _boundaries(nodes: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int], saveable: list[bool]) -> set[int]:
+    """Values that leave a block for a later forward node outside it (Note [Block boundaries under
+    a budget]); a view or tuple element leaving a block stands for the value it is read from."""
+    out: set[int] = set()
+    for node in nodes:
+        block = _block_of(node)
+        if block is None:
+            continue
+        if any(u in index and _block_of(u) != block for u in node.users):
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                if n not in index:
+                    continue
+                if saveable[index[n]]:
+                    out.add(index[n])
+                else:
+                    stack.extend(a for a in n.all_input_nodes if a in index)
+    return out
+
+
+def baseline_bytes(problem: Problem) -> int:
+    """Bytes saved when nothing is recomputed: every value the backward reads (a view's base)."""
+    from passes.solve import _save_all
+
+    return sum(problem.nbytes[i] for i in _save_all(problem))
+
+
+def decisions(graph: Graph, solution: Solution) -> dict[str, CheckpointPolicy]:
+    """MUST_SAVE for saved values, MUST_RECOMPUTE for recomputed ones, PREFER_SAVE for the rest
+    (values the backward never reads)."""
+    out = {}
+    for i, node in enumerate(graph.nodes):
+        if i in solution.recomputed:
+            out[node.name] = CheckpointPolicy.MUST_RECOMPUTE
+        elif i in solution.saved:
+            out[node.name] = CheckpointPolicy.MUST_SAVE
+        else:
+            out[node.name] = CheckpointPolicy.PREFER_SAVE
+    return out
+
+
+# Note [Peak-aware budget]
+# The saved bytes a solver bounds are not the peak: recomputation rebuilds values that then live
+# until their backward. So budget() plans a fixed set of candidates (MILP plans at fixed fractions
+# of the no-recompute saved bytes), predicts each one's step peak with the memory pass, and picks
+# the cheapest whose peak fits the limit. The candidates do not depend on the limit, so a lower
+# limit picks either the same plan (it still fits and is still the cheapest) or one whose peak is
+# below the new limit, hence below the old pick's: the predicted peak never rises as the limit
+# falls.
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What budget() chose for one graph."""
+
+    limit_bytes: int
+    baseline_peak: int
+    smallest_peak: int
+    peak: int
+    cost: float
+    solver: str
+    candidates: int
+
+
+def candidate_policies(
+    gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str, time_limit: float
+) -> Iterator[Callable]:
+    """Per-node policies for the distinct plans at the grid's saved-bytes fractions, then the plan
+    that saves least, most saved first (so least recompute first); made lazily."""
+    from passes.solve import Infeasible, smallest_budget
+
+    graph = build_problem(gm, hard_rules=hard_rules)
+    base = baseline_bytes(graph.problem)
+    seen = set()
+    for g in (*grid, None):
+        b = smallest_budget(graph.problem) if g is None else int(g * base)
+        try:
+            solution = solve(graph.problem, b, solver=solver, time_limit=time_limit)
+        except Infeasible:
+            continue
+        key = (solution.saved, solution.recomputed)
+        if key in seen:
+            continue
+        seen.add(key)
+        chosen = decisions(graph, solution)
+
+        def policy(info, chosen=chosen):
+            return chosen[info.name]
+
+        policy.solution = solution  # type: ignore[attr-defined]
+        yield policy
+
+
+class Chooser:
+    """Takes planned candidates in order and accepts the first whose predicted peak fits the limit
+    (Note [Peak-aware budget]); the first candidate (no recompute) sets the baseline."""
+
+    def __init__(self, *, fraction: float | None, nbytes: int | None, shown: str):
+        self.fraction, self.nbytes, self.shown = fraction, nbytes, shown
+        self.base = None
+        self.limit = 0
+        self.peaks: list[int] = []
+
+    def accept(self, plan, candidate) -> Choice | None:
+        if self.base is None:
+            self.base = plan
+            floor = plan.gradient_bytes
+            span = max(plan.peak_bytes - floor, 1)
+            self.limit = int(floor + self.fraction * span) if self.fraction is not None else int(self.nbytes or 0)
+        self.peaks.append(plan.peak_bytes)
+        if plan.peak_bytes > self.limit:
+            return None
+        solution = candidate.solution
+        return Choice(
+            limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=min(self.peaks),
+            peak=plan.peak_bytes, cost=solution.cost, solver=solution.solver, candidates=len(self.peaks),
+        )
+
+    def reject(self) -> None:
+        """Raise Infeasible: no candidate fitted."""
+        from passes.solve import Infeasible
+
+        smallest = min(self.peaks)
+        floor = self.base.gradient_bytes
+        span = max(self.base.peak_bytes - floor, 1)
+        least = (smallest - floor) / span
+        raise Infeasible(
+            self.limit,
+            smallest,
+            f"budget {self.shown} is infeasible for this graph: it allows a peak of {self.limit / 2**20:.2f} MiB, "
+            f"the lowest any plan reaches is {smallest / 2**20:.2f} MiB (budget {least:.3f} as a fraction, "
+            f"or '{smallest / 2**20:.1f}MiB')",
+        )

@@ -1,0 +1,378 @@
+"""Solvers for the memory-budget policy: which forward values to save so that the saved bytes fit a
+budget and the recompute cost is least. Plain data in, plain data out: no fx here.
+
+Note [The recompute problem]
+A Problem lists forward values in topological order. Value i costs `cost[i]` to compute (seconds,
+from a roofline of its FLOPs and bytes) and occupies `nbytes[i]` when saved; it is computed from
+`inputs[i]` (other values of the problem; graph inputs and parameters are always at hand and are
+not listed). `needed[i]` says the backward reads it. A plan saves some values (S) and recomputes
+others (R) in the backward, such that
+    every needed value is saved or recomputed                    needed[i] => i in S or i in R
+    a recomputed value's inputs are saved or recomputed          i in R, j in inputs[i] => j in S or j in R
+    values that cannot be saved (views, tuples) are not saved    not saveable[i] => i not in S
+    values that must not run twice (random, mutating) are not recomputed
+    the saved bytes fit the budget                              sum(nbytes[S]) <= budget
+and it minimises sum(cost[R]) (then the saved bytes, to break ties). Every solver takes
+(problem, budget) and returns a Solution; one table of cases runs against all of them.
+  - chain_dp: exact, for chains (each value's inputs are at most its predecessor): a dynamic
+    programme over positions that keeps the Pareto front of (saved bytes, cost) per state.
+  - milp: exact for any graph, scipy's HiGHS MILP under a time limit (optimal=False if cut short).
+  - greedy: any graph, fast: drops saved values cheapest-to-recompute-per-byte first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """Forward values in topological order; see Note [The recompute problem]."""
+
+    names: tuple[str, ...]
+    nbytes: tuple[int, ...]
+    cost: tuple[float, ...]
+    inputs: tuple[tuple[int, ...], ...]
+    needed: tuple[bool, ...]
+    saveable: tuple[bool, ...] = ()
+    """Empty means all values are saveable."""
+    recomputable: tuple[bool, ...] = ()
+    """Empty means all values are recomputable."""
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for name in ("nbytes", "cost", "inputs", "needed"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Problem.{name} has {len(getattr(self, name))} entries for {n} values")
+        if not self.saveable:
+            object.__setattr__(self, "saveable", (True,) * n)
+        if not self.recomputable:
+            object.__setattr__(self, "recomputable", (True,) * n)
+        for i, ins in enumerate(self.inputs):
+            if any(not 0 <= j < i for j in ins):
+                raise ValueError(f"Problem: value {self.names[i]!r} has inputs {ins}; inputs must come before it")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def is_chain(self) -> bool:
+        return all(set(ins) <= {i - 1} for i, ins in enumerate(self.inputs))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solution:
+    """A plan for a Problem: saved and recomputed value indices, with their bytes and cost."""
+
+    saved: frozenset[int]
+    recomputed: frozenset[int]
+    saved_bytes: int
+    cost: float
+    solver: str
+    optimal: bool
+    """True when the solver proved the plan optimal for the budget."""
+    seconds: float = field(default=0.0, compare=False)
+
+
+class Infeasible(ValueError):
+    """No plan fits the budget; `smallest` is the smallest budget (bytes) any plan fits."""
+
+    def __init__(self, budget: int, smallest: int, message: str | None = None):
+        self.budget, self.smallest = budget, smallest
+        super().__init__(
+            message
+            or f"memory budget {_fmt(budget)} is infeasible: the smallest plan saves {_fmt(smallest)} "
+            "(values that must not be recomputed, and what recomputation needs)"
+        )
+
+
+Solver = Callable[[Problem, int], Solution]
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB ({n} bytes)"
+
+
+def check(problem: Problem, saved: set[int] | frozenset[int], recomputed: set[int] | frozenset[int]) -> None:
+    """Raise AssertionError when a plan breaks a constraint of Note [The recompute problem]
+    (the budget aside)."""
+    for i in range(len(problem)):
+        name = problem.names[i]
+        assert not (i in saved and not problem.saveable[i]), f"{name} saved but not saveable"
+        assert not (i in recomputed and not problem.recomputable[i]), f"{name} recomputed but not recomputable"
+        if problem.needed[i]:
+            assert i in saved or i in recomputed, f"{name} needed but neither saved nor recomputed"
+        if i in recomputed:
+            for j in problem.inputs[i]:
+                assert j in saved or j in recomputed, f"{name} recomputed but its input {problem.names[j]} is not at hand"
+
+
+def _solution(problem: Problem, saved: set[int], recomputed: set[int], solver: str, optimal: bool, start: float) -> Solution:
+    return Solution(
+        saved=frozenset(saved),
+        recomputed=frozenset(recomputed),
+        saved_bytes=sum(problem.nbytes[i] for i in saved),
+        cost=sum(problem.cost[i] for i in recomputed),
+        solver=solver,
+        optimal=optimal,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def closure(problem: Problem, saved: set[int] | frozenset[int]) -> set[int] | None:
+    """The values the backward must recompute when `saved` is saved, or None when one of them
+    cannot be recomputed."""
+    recomputed: set[int] = set()
+    stack = [i for i in range(len(problem)) if problem.needed[i] and i not in saved]
+    while stack:
+        i = stack.pop()
+        if i in recomputed:
+            continue
+        if not problem.recomputable[i]:
+            return None
+        recomputed.add(i)
+        stack.extend(j for j in problem.inputs[i] if j not in saved and j not in recomputed)
+    return recomputed
+
+
+def smallest_budget(problem: Problem) -> int:
+    """The fewest bytes any valid plan saves (exact: a MILP minimising bytes; greedy bound when the
+    MILP is cut short)."""
+    return _milp(problem, budget=None, time_limit=10.0).saved_bytes
+
+
+# --- greedy -------------------------------------------------------------------------------------
+
+
+def greedy(problem: Problem, budget: int) -> Solution:
+    """Start from saving every needed value that can be saved; drop saved values, the cheapest
+    extra recompute per freed byte first (lazily re-scored against the current plan), until the
+    saved bytes fit."""
+    import heapq
+
+    start = time.perf_counter()
+    saved = _save_all(problem)
+    recomputed = closure(problem, saved)
+    assert recomputed is not None
+    total = sum(problem.nbytes[i] for i in saved)
+
+    def drop(i: int) -> tuple[float, int, set[int], set[int]] | None:
+        """(added cost, freed bytes, newly recomputed, newly saved) for no longer saving i."""
+        new: set[int] = set()
+        extra: set[int] = set()
+        stack = [i]
+        while stack:
+            x = stack.pop()
+            if (x in saved and x != i) or x in recomputed or x in new or x in extra:
+                continue
+            if not problem.recomputable[x]:
+                if x == i or not problem.saveable[x]:
+                    return None
+                extra.add(x)
+                continue
+            new.add(x)
+            stack.extend(problem.inputs[x])
+        freed = problem.nbytes[i] - sum(problem.nbytes[x] for x in extra)
+        return sum(problem.cost[x] for x in new), freed, new, extra
+
+    def score(added: float, freed: int) -> float:
+        return added / freed if freed > 0 else math.inf
+
+    heap = []
+    for i in saved:
+        if problem.recomputable[i] and problem.nbytes[i] > 0:
+            d = drop(i)
+            if d is not None and d[1] > 0:
+                heap.append((score(d[0], d[1]), i))
+    heapq.heapify(heap)
+    while total > budget and heap:
+        key, i = heapq.heappop(heap)
+        if i not in saved:
+            continue
+        d = drop(i)
+        if d is None or d[1] <= 0:
+            continue
+        fresh = score(d[0], d[1])
+        if heap and fresh > heap[0][0] + 1e-12 and fresh != key:
+            heapq.heappush(heap, (fresh, i))  # the plan changed since i was scored
+            continue
+        added, freed, new, extra = d
+        saved.discard(i)
+        saved |= extra
+        recomputed |= new
+        total -= freed
+    if total > budget:
+        # Stuck: no single drop frees bytes any more. The plan that saves least may still fit.
+        least = _milp(problem, budget=None, time_limit=10.0)
+        if least.saved_bytes > budget:
+            raise Infeasible(budget, least.saved_bytes)
+        saved = set(least.saved)
+    recomputed = closure(problem, saved)
+    assert recomputed is not None
+    return _solution(problem, saved, recomputed, "greedy", False, start)
+
+
+def _save_all(problem: Problem) -> set[int]:
+    """Every needed value saved; a needed value that cannot be saved (a view) has its inputs
+    saved instead, recursively."""
+    saved: set[int] = set()
+    stack = [i for i in range(len(problem)) if problem.needed[i]]
+    while stack:
+        i = stack.pop()
+        if problem.saveable[i]:
+            saved.add(i)
+        else:
+            stack.extend(j for j in problem.inputs[i] if j not in saved)
+    return saved
+
+
+# --- chain dynamic programme --------------------------------------------------------------------
+
+
+def chain_dp(problem: Problem, budget: int) -> Solution:
+    """Exact for chains: walk the values in order with state = how the previous value is at hand
+    in the backward ("saved", "recomputed", or "absent"), keeping per state the Pareto front of
+    (saved bytes, cost) with the choices that reach it."""
+    start = time.perf_counter()
+    if not problem.is_chain():
+        raise ValueError("chain_dp needs a chain: every value's inputs are at most its predecessor")
+    # front[state] = list of (bytes, cost, saved tuple, recomputed tuple)
+    fronts: dict[str, list[tuple[int, float, tuple[int, ...], tuple[int, ...]]]] = {"absent": [(0, 0.0, (), ())]}
+    # A value that is absent may still be needed later by a recomputed successor: handle that by
+    # letting "recomputed" of i+1 require i saved or recomputed, decided when i is processed. So a
+    # value left absent forbids recomputing its successor.
+    for i in range(len(problem)):
+        has_input = bool(problem.inputs[i])
+        nxt: dict[str, list] = {"absent": [], "saved": [], "recomputed": []}
+        for state, front in fronts.items():
+            for b, c, s, r in front:
+                if not problem.needed[i]:
+                    nxt["absent"].append((b, c, s, r))
+                if problem.saveable[i] and b + problem.nbytes[i] <= budget:
+                    nxt["saved"].append((b + problem.nbytes[i], c, s + (i,), r))
+                if problem.recomputable[i] and (not has_input or state != "absent"):
+                    nxt["recomputed"].append((b, c + problem.cost[i], s, r + (i,)))
+        fronts = {k: _pareto(v) for k, v in nxt.items() if v}
+        if not fronts:
+            raise Infeasible(budget, smallest_budget(problem))
+        # A recomputed value whose successor is absent and not needed was recomputed for nothing;
+        # the front keeps it only if it is cheaper somewhere, which it is not: harmless.
+    best = min((entry for front in fronts.values() for entry in front), key=lambda e: (e[1], e[0]))
+    saved, recomputed = set(best[2]), set(best[3])
+    # Drop recomputations nobody needs (possible at the end of a chain).
+    needed_rec = closure(problem, saved)
+    assert needed_rec is not None and needed_rec <= recomputed
+    return _solution(problem, saved, needed_rec, "chain_dp", True, start)
+
+
+def _pareto(entries: list) -> list:
+    """Entries not dominated in (bytes, cost), one per distinct point."""
+    out = []
+    best_cost = math.inf
+    for entry in sorted(entries, key=lambda e: (e[0], e[1])):
+        if entry[1] < best_cost - 1e-15:
+            out.append(entry)
+            best_cost = entry[1]
+    return out
+
+
+# --- MILP ---------------------------------------------------------------------------------------
+
+
+def milp(problem: Problem, budget: int, *, time_limit: float = 10.0) -> Solution:
+    """Exact for any graph (scipy's HiGHS); optimal=False when the time limit cut it short."""
+    return _milp(problem, budget=budget, time_limit=time_limit)
+
+
+def _milp(problem: Problem, *, budget: int | None, time_limit: float) -> Solution:
+    """budget=None minimises saved bytes instead of cost (the smallest feasible budget)."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint
+    from scipy.optimize import milp as scipy_milp
+    from scipy.sparse import lil_matrix
+
+    start = time.perf_counter()
+    n = len(problem)
+    if n == 0:
+        return _solution(problem, set(), set(), "milp", True, start)
+    # Variables: s_0..s_{n-1} (saved), r_0..r_{n-1} (recomputed).
+    nbytes = np.array(problem.nbytes, dtype=float)
+    cost = np.array(problem.cost, dtype=float)
+    scale_b = max(nbytes.max(), 1.0)
+    scale_c = max(cost.max(), 1e-30)
+    if budget is None:
+        objective = np.concatenate([nbytes / scale_b, 1e-6 * cost / scale_c])
+    else:
+        # Cost first; bytes break ties (weighted below the smallest cost difference that matters).
+        objective = np.concatenate([1e-6 * nbytes / scale_b / n, cost / scale_c])
+    rows = []  # (coefficients {var: coef}, lower bound)
+    for i in range(n):
+        if problem.needed[i]:
+            rows.append(({i: 1.0, n + i: 1.0}, 1.0))  # s_i + r_i >= 1
+        for j in problem.inputs[i]:
+            rows.append(({j: 1.0, n + j: 1.0, n + i: -1.0}, 0.0))  # s_j + r_j - r_i >= 0
+    m = len(rows) + (1 if budget is not None else 0)
+    a = lil_matrix((max(m, 1), 2 * n))
+    lower = np.full(max(m, 1), -np.inf)
+    upper = np.full(max(m, 1), np.inf)
+    for k, (coefs, lo) in enumerate(rows):
+        for var, coef in coefs.items():
+            a[k, var] += coef
+        lower[k] = lo
+    if budget is not None:
+        for i in range(n):
+            a[m - 1, i] = nbytes[i]
+        upper[m - 1] = budget
+    ub = np.ones(2 * n)
+    for i in range(n):
+        if not problem.saveable[i]:
+            ub[i] = 0
+        if not problem.recomputable[i]:
+            ub[n + i] = 0
+    result = scipy_milp(
+        objective,
+        constraints=LinearConstraint(a.tocsr(), lower, upper),
+        integrality=np.ones(2 * n),
+        bounds=Bounds(np.zeros(2 * n), ub),
+        options={"time_limit": time_limit, "mip_rel_gap": 1e-9},
+    )
+    if result.x is None:
+        if budget is not None and result.status == 2:  # infeasible
+            raise Infeasible(budget, smallest_budget(problem))
+        if budget is None:
+            raise ValueError(f"milp: no plan at all for this problem ({result.message})")
+        return greedy(problem, budget)  # the time limit hit before any plan: fall back
+    x = np.round(result.x).astype(int)
+    saved = {i for i in range(n) if x[i]}
+    recomputed = closure(problem, saved)
+    assert recomputed is not None, "milp returned a plan that recomputes a value that cannot be"
+    return _solution(problem, saved, recomputed, "milp", result.status == 0, start)
+
+
+SOLVERS: dict[str, Solver] = {"chain_dp": chain_dp, "milp": milp, "greedy": greedy}
+
+
+def solve(problem: Problem, budget: int, *, solver: str = "auto", time_limit: float = 1.5) -> Solution:
+    """The best available plan: chain_dp for chains, else the MILP under `time_limit` (up to
+    `MILP_MAX_VALUES` values), else greedy; the better of MILP and greedy when the MILP was cut
+    short."""
+    if solver == "chain_dp":
+        return chain_dp(problem, budget)
+    if solver == "greedy":
+        return greedy(problem, budget)
+    if solver == "milp":
+        return milp(problem, budget, time_limit=time_limit)
+    if solver != "auto":
+        raise ValueError(f"unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
+    if problem.is_chain():
+        return chain_dp(problem, budget)
+    fast = greedy(problem, budget)
+    if len(problem) > MILP_MAX_VALUES:
+        return fast
+    exact = milp(problem, budget, time_limit=time_limit)
+    return exact if exact.optimal or exact.cost <= fast.cost else fast
+
+
+MILP_MAX_VALUES = 4000

@@ -1,0 +1,113 @@
+"""The memory-budget policy on real graphs: exact gradients, the predicted and measured peak
+falling with the budget, the cheapest plan that fits, and a clear error when nothing fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckpt_fx
+from ckpt_fx import policies
+from ckpt_fx.models import build
+from passes.solve import Infeasible
+
+BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.15)
+
+
+@pytest.fixture(scope="module")
+def gpt_runs():
+    """One GPT (4 blocks, width 128, batch 4x128) under each budget: grads, peaks, choices."""
+    torch.manual_seed(0)
+    model = build("gpt", layers=4, dim=128, heads=4, dropout=0.0)
+    ids = torch.randint(0, 1000, (4, 128))
+    model(ids, ids).backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    runs = {}
+    for b in BUDGETS:
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        backend = ckpt_fx.backend(policy=f"budget:{b}", strict=True)
+        fn = torch.compile(model, backend=backend)
+        fn(ids, ids).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        measured = ckpt_fx.peak_bytes(lambda: fn(ids, ids).backward())
+        runs[b] = dict(grads=grads, measured=measured, plan=backend.plans[0], choice=backend.options.policy.choices[0])
+    return eager, runs
+
+
+def test_budget_gradients_equal_eager(gpt_runs):
+    eager, runs = gpt_runs
+    for b, run in runs.items():
+        for got, want in zip(run["grads"], eager, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"budget {b}")
+
+
+def test_budget_peak_falls_with_the_budget_and_fits_it(gpt_runs):
+    _, runs = gpt_runs
+    predicted = [runs[b]["plan"].peak_bytes for b in BUDGETS]
+    measured = [runs[b]["measured"] for b in BUDGETS]
+    assert predicted == sorted(predicted, reverse=True), predicted
+    for higher, lower in zip(measured, measured[1:]):
+        assert lower <= higher * 1.02, measured
+    assert measured[-1] < 0.5 * measured[0], measured  # the knob does something
+    for b in BUDGETS:
+        choice = runs[b]["choice"]
+        assert choice.peak <= choice.limit_bytes
+        assert runs[b]["plan"].peak_bytes == choice.peak
+    assert runs[1.0]["choice"].cost == 0.0  # the whole budget: nothing recomputed that costs
+
+
+def test_budget_recompute_cost_rises_as_the_budget_falls(gpt_runs):
+    _, runs = gpt_runs
+    costs = [runs[b]["choice"].cost for b in BUDGETS]
+    assert costs == sorted(costs), costs
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one():
+    model = build("gpt", layers=2, dim=64, heads=2, dropout=0.0)
+    ids = torch.randint(0, 1000, (2, 32))
+    backend = ckpt_fx.backend(policy="budget:0.01")  # not strict: still an error, not a fallback
+    with pytest.raises(Exception, match=r"budget 0.01 is infeasible.*lowest any plan reaches.*budget 0\.\d+ as a fraction") as error:
+        torch.compile(model, backend=backend)(ids, ids).backward()
+    cause = error.value
+    while cause is not None and not isinstance(cause, Infeasible):
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__
+    assert isinstance(cause, Infeasible) and cause.smallest > cause.budget
+
+
+def test_absolute_budget_bounds_the_predicted_peak():
+    model = build("gpt", layers=2, dim=64, heads=2, dropout=0.0)
+    ids = torch.randint(0, 1000, (2, 64))
+    base = ckpt_fx.backend(policy="none")
+    torch.compile(model, backend=base)(ids, ids).backward()
+    limit = int(0.8 * base.plans[0].peak_bytes)
+    torch._dynamo.reset()
+    backend = ckpt_fx.backend(policy=f"budget:{limit}B", strict=True)
+    torch.compile(model, backend=backend)(ids, ids).backward()
+    assert backend.plans[0].peak_bytes <= limit
+
+
+@pytest.mark.parametrize(
+    "spec, name",
+    [("budget:0.3", "budget(0.3)"), ("budget: 2GiB", "budget('2GiB')"), ("budget:512MB", "budget('512MB')"), ("budget:1", "budget(1)")],
+)
+def test_budget_string_forms(spec, name):
+    assert policies.policy_name(policies.parse(spec)) == name
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("budget", "needs a limit"),
+        ("budget:0", r"fraction must lie in \(0, 1\]"),
+        ("budget:1.5", r"fraction must lie in \(0, 1\]"),
+        ("budget:2PB", "cannot read '2PB'"),
+        ("budget:lots", "cannot read 'lots'"),
+    ],
+)
+def test_bad_budgets_raise_naming_the_value(spec, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        policies.parse(spec)
+    with pytest.raises(ValueError, match="unknown solver 'best'"):
+        policies.budget(0.5, solver="best")

@@ -1,0 +1,135 @@
+"""The budget solvers on plain data: one table of cases for every solver, and properties on random
+chains (the DP and the MILP agree) and random graphs (every plan is valid, greedy never beats the
+MILP optimum)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from passes.solve import Infeasible, Problem, chain_dp, check, greedy, milp, solve
+
+
+def chain(nbytes, cost, needed, *, saveable=(), recomputable=()) -> Problem:
+    n = len(nbytes)
+    return Problem(
+        names=tuple(f"v{i}" for i in range(n)), nbytes=tuple(nbytes), cost=tuple(float(c) for c in cost),
+        inputs=tuple(() if i == 0 else (i - 1,) for i in range(n)), needed=tuple(needed),
+        saveable=tuple(saveable), recomputable=tuple(recomputable),
+    )
+
+
+DIAMOND = Problem(  # a -> b, a -> c, (b, c) -> d; the backward reads b, c and d
+    names=("a", "b", "c", "d"), nbytes=(8, 8, 8, 8), cost=(5.0, 1.0, 1.0, 1.0),
+    inputs=((), (0,), (0,), (1, 2)), needed=(False, True, True, True),
+)
+
+# (id, problem, budget, expected least cost, or an int: the smallest feasible budget when infeasible)
+CASES = [
+    ("all fit", chain([4, 4, 4, 4], [1, 2, 3, 4], [True] * 4), 16, 0.0),
+    ("keep the costly ones", chain([4, 4, 4, 4], [1, 2, 3, 4], [True] * 4), 8, 3.0),
+    ("keep nothing", chain([4, 4, 4, 4], [1, 2, 3, 4], [True] * 4), 0, 10.0),
+    ("a bigger value is cheaper to drop", chain([2, 8, 2], [3, 3, 3], [True] * 3), 4, 3.0),
+    # v1 is not read by the backward, but recomputing v2 needs it.
+    ("unneeded link", chain([10, 10, 10], [5, 1, 1], [True, False, True]), 10, 2.0),
+    # v0 must not run twice: it is saved, and v1 is recomputed from it.
+    ("not recomputable", chain([10, 1], [1, 1], [True, True], recomputable=(False, True)), 10, 1.0),
+    ("infeasible", chain([10, 1], [1, 1], [True, True], recomputable=(False, True)), 5, 10),
+    # v1 is a view of v0 (cannot be saved itself): keeping it means keeping v0.
+    ("view", chain([8, 0, 4], [3, 0, 1], [False, True, True], saveable=(True, False, True)), 8, 1.0),
+    ("view, nothing kept", chain([8, 0, 4], [3, 0, 1], [False, True, True], saveable=(True, False, True)), 0, 4.0),
+    ("diamond, all fit", DIAMOND, 24, 0.0),
+    ("diamond, save a", DIAMOND, 8, 3.0),  # recompute b, c, d from a: 3 < 5 + ...
+    ("diamond, save b and c", DIAMOND, 16, 1.0),
+    ("diamond, nothing", DIAMOND, 0, 8.0),
+]
+
+SOLVERS = {"chain_dp": chain_dp, "milp": milp, "greedy": greedy, "auto": solve}
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_table(case, solver):
+    _, problem, budget, expected = case
+    fn = SOLVERS[solver]
+    if solver == "chain_dp" and not problem.is_chain():
+        with pytest.raises(ValueError, match="chain"):
+            fn(problem, budget)
+        return
+    if isinstance(expected, int):
+        with pytest.raises(Infeasible) as error:
+            fn(problem, budget)
+        assert error.value.smallest == expected
+        assert f"({expected} bytes)" in str(error.value)
+        return
+    sol = fn(problem, budget)
+    check(problem, sol.saved, sol.recomputed)
+    assert sol.saved_bytes <= budget
+    if solver == "greedy":
+        assert sol.cost >= expected - 1e-9  # a heuristic: never better than the optimum
+    else:
+        assert sol.cost == pytest.approx(expected)
+        assert sol.optimal
+
+
+def test_bad_problems_are_refused():
+    with pytest.raises(ValueError, match="inputs must come before"):
+        Problem(names=("a",), nbytes=(1,), cost=(1.0,), inputs=((0,),), needed=(True,))
+    with pytest.raises(ValueError, match="cost has 0 entries for 1"):
+        Problem(names=("a",), nbytes=(1,), cost=(), inputs=((),), needed=(True,))
+    with pytest.raises(ValueError, match="unknown solver 'fast'"):
+        solve(DIAMOND, 8, solver="fast")
+
+
+@st.composite
+def chains(draw):
+    n = draw(st.integers(1, 9))
+    nbytes = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
+    cost = draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
+    needed = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    recomputable = draw(st.lists(st.booleans(), min_size=n, max_size=n).map(lambda r: [x or i % 3 for i, x in enumerate(r)]))
+    budget = draw(st.integers(0, sum(nbytes)))
+    return chain(nbytes, cost, needed, recomputable=[bool(r) for r in recomputable]), budget
+
+
+@st.composite
+def graphs(draw):
+    n = draw(st.integers(1, 12))
+    inputs = tuple(tuple(sorted(draw(st.sets(st.integers(0, i - 1), max_size=2)))) if i else () for i in range(n))
+    nbytes = draw(st.lists(st.integers(1, 20), min_size=n, max_size=n))
+    cost = draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
+    needed = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    budget = draw(st.integers(0, sum(nbytes)))
+    problem = Problem(names=tuple(map(str, range(n))), nbytes=tuple(nbytes), cost=tuple(map(float, cost)),
+                      inputs=inputs, needed=tuple(needed))
+    return problem, budget
+
+
+def _outcome(fn, problem, budget):
+    try:
+        sol = fn(problem, budget)
+    except Infeasible as error:
+        return ("infeasible", error.smallest)
+    check(problem, sol.saved, sol.recomputed)
+    assert sol.saved_bytes <= budget
+    return ("ok", sol.cost)
+
+
+@given(chains())
+def test_chain_dp_and_milp_agree_on_chains(case):
+    problem, budget = case
+    dp, exact = _outcome(chain_dp, problem, budget), _outcome(milp, problem, budget)
+    assert dp[0] == exact[0]
+    assert dp[1] == pytest.approx(exact[1])
+
+
+@given(graphs())
+def test_greedy_is_valid_and_never_beats_the_milp(case):
+    problem, budget = case
+    fast, exact = _outcome(greedy, problem, budget), _outcome(milp, problem, budget)
+    assert fast[0] == exact[0]  # greedy finds a plan whenever one exists
+    if exact[0] == "ok":
+        assert fast[1] >= exact[1] - 1e-9
+    else:
+        assert fast == exact
