@@ -22,6 +22,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_workers(target, tmp_path) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, port, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * WORLD
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
 def _ddp_worker(rank: int, port: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -50,17 +64,7 @@ def _ddp_worker(rank: int, port: int, folder: str) -> None:
 
 
 def test_ddp_two_processes_exact_gradients_same_plans_lower_peak(tmp_path):
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * WORLD
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    results = _run_workers(_ddp_worker, tmp_path)
 
     # Single-process eager on the whole batch: DDP averages the ranks' gradients.
     from tests._models import Spec, inputs, make
@@ -78,9 +82,11 @@ def test_ddp_two_processes_exact_gradients_same_plans_lower_peak(tmp_path):
     assert results[0]["ckpt_plans"][0][0], "nothing was recomputed"
 
 
-def test_ddp_example_under_torchrun_plans_every_graph_piece():
-    """examples/ddp.py with torchrun, 2 processes: trains, and every graph DDP's optimizer split
-    off still finds its blocks (no fallback to top-level children)."""
+@pytest.mark.parametrize("example", ["ddp.py", "fsdp2.py"])
+def test_example_under_torchrun_plans_every_graph_piece(example):
+    """examples/ddp.py and examples/fsdp2.py with torchrun, 2 processes: they train, and every graph
+    (DDP's optimizer splits at bucket boundaries, FSDP2 compiles each block alone) is planned without
+    falling back to top-level children."""
     import pathlib
     import subprocess
     import sys
@@ -88,9 +94,129 @@ def test_ddp_example_under_torchrun_plans_every_graph_piece():
     root = pathlib.Path(__file__).resolve().parents[1]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-         "examples/ddp.py"],
+         f"examples/{example}"],
         capture_output=True, text=True, timeout=300, cwd=root,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2: loss" in done.stdout and "(rank 0 of 2)" in done.stdout
     assert "no stack of repeated blocks" not in done.stderr
+    assert "falling back" not in done.stderr.lower()
+
+
+
+# FSDP2 placements: fully_shard at the root only (dynamo traces the whole model, blocks found by
+# path), and on every block plus the root (dynamo compiles each block on its own: policy "graph").
+FSDP_MODES = {"root": "blocks:every=1,skip_first=0", "per_block": "graph"}
+
+
+def _fsdp_worker(rank: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        import ckpt_fx
+        from ckpt_fx.models import build
+
+        torch.manual_seed(0)
+        base = build("llama", layers=4, dim=64, heads=4)
+        torch.manual_seed(100 + rank)
+        ids = torch.randint(0, 1000, (2, 64))
+        out = {}
+        for mode, policy in FSDP_MODES.items():
+            for name in ("plain", "ckpt"):
+                model = copy.deepcopy(base)
+                if mode == "per_block":
+                    for block in model.layers:
+                        fully_shard(block)
+                fully_shard(model)
+                b = ckpt_fx.backend(policy=policy if name == "ckpt" else "none", strict=True)
+                fn = torch.compile(model, backend=b)
+                fn(ids, ids).backward()  # compiles; FSDP reduce-scatters the gradients
+                out[f"{mode}_{name}_grads"] = [p.grad.full_tensor() for p in model.parameters()]
+                for p in model.parameters():
+                    p.grad = None
+                out[f"{mode}_{name}_peak"] = ckpt_fx.peak_bytes(lambda: fn(ids, ids).backward())
+                out[f"{mode}_{name}_plans"] = [(p.recomputed, [s.name for s in p.saved]) for p in b.plans]
+                torch._dynamo.reset()
+        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+_FSDP_RESULTS: list[dict] = []  # one pair of processes runs both placements
+
+
+@pytest.mark.parametrize("mode", FSDP_MODES)
+def test_fsdp2_two_processes_exact_gradients_same_plans_lower_peak(tmp_path, mode):
+    if not _FSDP_RESULTS:
+        _FSDP_RESULTS.extend(_run_workers(_fsdp_worker, tmp_path))
+    results = _FSDP_RESULTS
+    for r in results:
+        for ckpt, plain in zip(r[f"{mode}_ckpt_grads"], r[f"{mode}_plain_grads"], strict=True):
+            assert torch.equal(ckpt, plain)
+        assert r[f"{mode}_ckpt_peak"] < 0.7 * r[f"{mode}_plain_peak"], (r[f"{mode}_ckpt_peak"], r[f"{mode}_plain_peak"])
+    assert results[0][f"{mode}_ckpt_plans"] == results[1][f"{mode}_ckpt_plans"]
+    assert results[0][f"{mode}_ckpt_plans"][0][0], "nothing was recomputed"
+
+
+class _AllReduceBlock(torch.nn.Module):
+    """A block that all-reduces its activation in the middle (tensor-parallel style)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.b = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        h = funcol.all_reduce(self.a(x).relu(), "sum", dist.group.WORLD)
+        return x + self.b(h).tanh()
+
+
+def _collective_worker(rank: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from passes.regions import forward_nodes
+        from tests._models import Recorder
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_AllReduceBlock(16) for _ in range(3)])
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+        model(x).square().sum().backward()
+        eager = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        rec = Recorder("graph")  # recompute everything a policy may: collectives are still saved
+        torch.compile(model, backend=rec.backend)(x).square().sum().backward()
+        collectives = []
+        for joint, bw in rec.graphs:
+            forward = set(forward_nodes(joint.graph))
+            fwd_colls = [n.name for n in forward if "all_reduce" in str(n.target)]
+            joint_bw_colls = [n.name for n in joint.graph.nodes if n not in forward and "all_reduce" in str(n.target)]
+            bw_colls = [n.name for n in bw.graph.nodes if "all_reduce" in str(n.target)]
+            collectives.append((fwd_colls, joint_bw_colls, bw_colls))
+        out = {
+            "grads_close": all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6) for p, g in zip(model.parameters(), eager)),
+            "collectives": collectives,
+            "recomputed": [p.recomputed for p in rec.backend.plans],
+            "hard_rules": [p.hard_rules for p in rec.backend.plans],
+        }
+        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_are_never_recomputed(tmp_path):
+    results = _run_workers(_collective_worker, tmp_path)
+    for r in results:
+        assert r["grads_close"]
+        assert r["recomputed"][0], "the policy recomputed nothing: the test would prove nothing"
+        ((fwd_colls, joint_bw_colls, bw_colls),) = r["collectives"]
+        assert len(fwd_colls) == 3  # one per block
+        assert not any(c in r["recomputed"][0] for c in fwd_colls)
+        # The backward keeps its own all_reduces (of the gradients), once each, and no forward one.
+        assert sorted(bw_colls) == sorted(joint_bw_colls), "a forward all_reduce was replayed in the backward"
+        assert {reason for reason in r["hard_rules"][0].values()} >= {"collective"}
+    assert results[0]["recomputed"] == results[1]["recomputed"]
