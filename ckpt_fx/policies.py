@@ -6,6 +6,7 @@
     none()                          "none"
     graph()                         "graph"
     budget(0.3), budget("2GiB")     "budget:0.3", "budget:2GiB"
+    selective(save=...)             "selective"
     only_in(patterns, policy)       checkpoint only inside module paths matching the patterns
 
 A checkpointed unit (a block, or a segment of consecutive blocks) saves only what leaves it (its
@@ -23,7 +24,7 @@ from passes import NodeInfo, Policy
 from passes._compat import CheckpointPolicy
 from passes.regions import Block
 
-__all__ = ["CheckpointPolicy", "NodeInfo", "Policy", "blocks", "budget", "graph", "none", "only_in", "parse", "segments", "sqrt"]
+__all__ = ["CheckpointPolicy", "NodeInfo", "Policy", "blocks", "budget", "graph", "none", "selective", "only_in", "parse", "segments", "sqrt"]
 
 SAVE = CheckpointPolicy.PREFER_SAVE
 BOUNDARY = CheckpointPolicy.MUST_SAVE
@@ -40,6 +41,8 @@ FORMS = (
     '"graph"',
     '"budget:0.3"',
     '"budget:2GiB"',
+    '"selective"',
+    '"selective:skip_first=K"',
     "a callable (node_info) -> CheckpointPolicy",
 )
 
@@ -146,6 +149,65 @@ def graph() -> Policy:
 
     policy.uses_blocks = False  # type: ignore[attr-defined]
     return _named(policy, "graph()")
+
+
+# Op classes selective() saves by name: aten overload packets, matched on the producing op.
+OP_CLASSES = {
+    "matmul": ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten._int_mm"),
+    "conv": ("aten.convolution", "aten.cudnn_convolution", "aten.mkldnn_convolution", "aten._convolution"),
+    "attention": (
+        "aten._scaled_dot_product_flash_attention",
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._scaled_dot_product_efficient_attention",
+        "aten._scaled_dot_product_cudnn_attention",
+        "aten._scaled_dot_product_fused_attention_overrideable",
+        "aten._flash_attention_forward",
+        "aten._efficient_attention_forward",
+    ),
+}
+
+
+def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_first: int = 0) -> Policy:
+    """Op-level recompute inside blocks (Megatron's selective recompute, JAX's dots_saveable):
+    keep the outputs of expensive ops, recompute the cheap pointwise and normalisation ops.
+
+    `save` lists op classes ("matmul", "conv", "attention"), aten op names ("aten.mm"), or module
+    path patterns (fnmatch, e.g. "*.attn.c_proj"): values they produce are saved. What leaves a
+    block is saved; blocks numbered below skip_first and everything outside blocks are saved.
+    """
+    if isinstance(save, str):
+        save = (save,)
+    save = tuple(save)
+    if not save or not all(isinstance(x, str) and x for x in save):
+        raise ValueError(f"selective: save must be a non-empty list of strings, got {save!r}; op classes: {', '.join(OP_CLASSES)}")
+    skip_first = _int("skip_first", skip_first, minimum=0, factory="selective")
+    ops: set[str] = set()
+    patterns = []
+    for item in save:
+        if item in OP_CLASSES:
+            ops.update(OP_CLASSES[item])
+        elif item.startswith("aten."):
+            ops.add(item)
+        else:
+            patterns.append(item)
+
+    def kept(info: NodeInfo) -> bool:
+        source = info.producer or info.op
+        packet = source.rsplit(".", 1)[0] if source.count(".") >= 2 else source
+        if packet in ops:
+            return True
+        return any(fnmatch.fnmatchcase(info.module_path, p) or fnmatch.fnmatchcase(info.module_path, p + ".*") for p in patterns)
+
+    def policy(info: NodeInfo) -> CheckpointPolicy:
+        if info.region != "block" or info.block is None or info.block.number < skip_first:
+            return SAVE
+        for user in info.user_blocks:
+            if user is None or user != info.block:
+                return BOUNDARY
+        return BOUNDARY if kept(info) else RECOMPUTE
+
+    shown = ", ".join(repr(x) for x in save)
+    return _named(policy, f"selective(save=({shown}), skip_first={skip_first})")
 
 
 _UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
@@ -279,7 +341,7 @@ def parse(spec: str | Policy | None) -> Policy:
             raise ValueError(f"policy 'budget' needs a limit, e.g. \"budget:0.3\" or \"budget:2GiB\"; valid forms: {', '.join(FORMS)}")
         return budget(args.strip())
     factories = {"blocks": (blocks, "every"), "segments": (segments, "size"), "sqrt": (sqrt, None), "none": (none, None),
-                 "graph": (graph, None), "budget": (budget, None)}
+                 "graph": (graph, None), "budget": (budget, None), "selective": (selective, None)}
     if name not in factories:
         hint = [k for k in factories if k.startswith(name[:2])] if name else []
         did = f" (did you mean {hint[0]!r}?)" if hint else ""

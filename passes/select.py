@@ -44,6 +44,8 @@ class NodeInfo:
     """FLOPs of computing it once."""
     is_view: bool
     """The output aliases an input."""
+    producer: str = ""
+    """The op that computed the value: `op` itself, or for a getitem the op of the tuple it reads."""
 
 
 Policy = Callable[[NodeInfo], CheckpointPolicy]
@@ -110,6 +112,7 @@ def _info(node: torch.fx.Node, fwd: set[torch.fx.Node]) -> NodeInfo:
         nbytes=node.meta.get(BYTES_KEY, 0),
         flops=node.meta.get(FLOPS_KEY, 0),
         is_view=is_view(node),
+        producer=str(node.args[0].target) if op is operator.getitem and isinstance(node.args[0], torch.fx.Node) else str(op),
     )
 
 

@@ -34,6 +34,8 @@ def info(block: Block | None, users: tuple, *, region: str | None = None, path: 
         ("sqrt", "sqrt(skip_first=0)"),
         (" None ", "none()"),
         ("graph", "graph()"),
+        ("selective", "selective(save=('matmul', 'conv', 'attention'), skip_first=0)"),
+        ("selective:skip_first=1", "selective(save=('matmul', 'conv', 'attention'), skip_first=1)"),
     ],
 )
 def test_string_forms(spec, name):
@@ -180,3 +182,46 @@ def test_graph_on_one_compiled_block_saves_only_its_inputs():
     # called with dropout_p=0) is saved besides the inputs: far less than one activation.
     activation = x.numel() * x.element_size()
     assert sum(s.nbytes for s in plan.saved if not s.is_input) < activation / 4, [s.name for s in plan.saved]
+
+
+def test_selective_saves_expensive_ops_and_recomputes_the_rest():
+    import dataclasses
+
+    b = blocks_of(3)
+    p = policies.selective()
+    mm = info(b[1], (b[1],))  # aten.mm.default inside block 1
+    assert p(mm) == CheckpointPolicy.MUST_SAVE
+    pointwise = dataclasses.replace(mm, op="aten.gelu.default", producer="aten.gelu.default")
+    assert p(pointwise) == CheckpointPolicy.MUST_RECOMPUTE
+    attention_out = dataclasses.replace(mm, op="getitem", producer="aten._scaled_dot_product_flash_attention_for_cpu.default")
+    assert p(attention_out) == CheckpointPolicy.MUST_SAVE
+    assert p(dataclasses.replace(pointwise, user_blocks=(b[2],))) == CheckpointPolicy.MUST_SAVE  # leaves the block
+    assert p(info(None, (b[0],), region="embedding")) == CheckpointPolicy.PREFER_SAVE
+    by_path = policies.selective(save=["*.mlp.*"])
+    assert by_path(dataclasses.replace(pointwise, module_path="layers.1.mlp.act")) == CheckpointPolicy.MUST_SAVE
+    assert by_path(mm) == CheckpointPolicy.MUST_RECOMPUTE  # matmuls not listed: recomputed
+    with pytest.raises(ValueError, match="save must be a non-empty list"):
+        policies.selective(save=[])
+
+
+def test_selective_on_a_gpt_lowers_the_peak_with_little_recompute():
+    import torch
+
+    from ckpt_fx.models import build
+
+    torch.manual_seed(0)
+    model = build("gpt", layers=3, dim=64, heads=2)
+    ids = torch.randint(0, 1000, (2, 64))
+    model(ids, ids).backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    peaks, flops = {}, {}
+    for spec in ("none", "selective", "blocks:every=1,skip_first=0"):
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        backend = ckpt_fx.backend(policy=spec, strict=True)
+        torch.compile(model, backend=backend)(ids, ids).backward()
+        for got, want in zip([p.grad for p in model.parameters()], eager, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        peaks[spec], flops[spec] = backend.plans[0].peak_bytes, backend.plans[0].recompute_flops
+    assert peaks["blocks:every=1,skip_first=0"] < peaks["selective"] < 0.85 * peaks["none"]
+    assert flops["selective"] < 0.1 * flops["blocks:every=1,skip_first=0"]  # no matmul recomputed
