@@ -77,8 +77,13 @@ def bench(args: argparse.Namespace) -> int:
 
     workload = _workload(args)
     setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else b.DEFAULT_SETUPS
-    rows = b.run(workload, setups, steps=args.steps, progress=_progress)
-    print(f"\n{workload.name}; torch {torch.__version__}; {args.steps} timed steps (median)\n")
+    try:
+        rows = b.run(workload, setups, steps=args.steps, amp=args.amp, progress=_progress)
+    except ValueError as error:
+        print(f"python -m ckpt_fx bench: error: {error}", file=sys.stderr)
+        return 2
+    amp = ", bf16 autocast" if args.amp else ""
+    print(f"\n{workload.name}; torch {torch.__version__}; {args.steps} timed steps (median){amp}\n")
     print(b.markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     _model_options(bn, model="gpt2", layers=12)
     bn.add_argument("--steps", type=int, default=5)
     bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks' (default: all)")
+    bn.add_argument("--amp", action="store_true", help="run every step under bf16 autocast")
     bn.add_argument("--json", help="also write the rows to this file")
     bn.set_defaults(run=bench)
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ process so the ratios compare. `python -m ckpt_fx bench --help`."""
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -17,7 +18,12 @@ from ckpt_fx.explain import training_loss
 from ckpt_fx.measure import peak_bytes
 from passes.memory import step_peak_bytes
 
-DEFAULT_SETUPS = ("eager", "checkpoint", "aot_eager", "ckpt:none", "ckpt:blocks", "ckpt:blocks:every=1,skip_first=0", "ckpt:segments:4", "ckpt:sqrt")
+DEFAULT_SETUPS = (
+    "eager", "checkpoint", "aot_eager", "aot_eager-budget:0.5", "ckpt:none", "ckpt:blocks",
+    "ckpt:blocks:every=1,skip_first=0", "ckpt:blocks:4", "ckpt:segments:4", "ckpt:sqrt", "ckpt:selective",
+    "ckpt:budget:0.5", "ckpt:budget:0.25", "ckpt:budget:0.1",
+)
+SETUP_FORMS = "eager, checkpoint, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, ckpt:<policy>"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +38,10 @@ class Row:
     grad_rel_diff: float
     predicted_mb: float | None
     compile_s: float
+    recompute_gflop: float | None = None
+    """FLOPs the backward spends recomputing (ckpt setups; torch.utils.flop_counter's formulas)."""
+    error: str | None = None
+    """Why the setup did not run (an infeasible budget, say); its numbers are then NaN."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,77 +105,147 @@ def _checkpoint_every_block(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _prepare(setup: str, model: torch.nn.Module):
-    """(callable model, ckpt backend or None) for a setup name."""
+    """(callable model, ckpt backend or None, config patch) for a setup name."""
+    import contextlib
+
+    none = contextlib.nullcontext
     if setup == "eager":
-        return model, None
+        return model, None, none
     if setup == "checkpoint":
-        return _checkpoint_every_block(model), None
+        return _checkpoint_every_block(model), None, none
     if setup in ("aot_eager", "inductor"):
-        return torch.compile(model, backend=setup), None
+        return torch.compile(model, backend=setup), None, none
+    compiler, _, knob = setup.partition("-budget:")
+    if knob and compiler in ("aot_eager", "inductor"):
+        # torch's own knob: the min-cut partitioner under an activation memory budget.
+        try:
+            value = float(knob)
+        except ValueError:
+            raise ValueError(f"setup {setup!r}: the budget must be a number in (0, 1]") from None
+        import functools
+
+        patch = functools.partial(torch._functorch.config.patch, activation_memory_budget=value)
+        return torch.compile(model, backend=compiler), None, patch
     if setup.startswith("ckpt:"):
         b = ckpt_backend(policy=setup[len("ckpt:"):])
-        return torch.compile(model, backend=b), b
-    raise ValueError(f"unknown setup {setup!r}; valid: eager, checkpoint, aot_eager, inductor, ckpt:<policy>")
+        return torch.compile(model, backend=b), b, none
+    raise ValueError(f"unknown setup {setup!r}; valid: {SETUP_FORMS}")
 
 
-def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: int = 5,
+def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: int = 5, amp: bool = False,
         progress: Callable[[str], None] | None = None) -> list[Row]:
-    """Measure every setup on the same model (fresh copy each) and batch; the first is the reference."""
+    """Measure every setup on the same model (fresh copy each) and batch; the first is the reference.
+
+    amp=True runs every step under bf16 autocast. A setup that fails (an infeasible budget) gets a
+    row with its error; the first setup must run.
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    for setup in setups:
+        _prepare_check(setup)
     results = []
     for k, setup in enumerate(setups, 1):
         if progress:
             progress(f"[{k}/{len(setups)}] {setup}")
-        model = copy.deepcopy(workload.model)
-        fn, b = _prepare(setup, model)
-
-        def step() -> None:
-            torch.manual_seed(1234)
-            workload.loss(fn).backward()
-
-        def clear() -> None:
-            for p in model.parameters():
-                p.grad = None
-
-        start = time.perf_counter()
-        step()
-        compile_s = time.perf_counter() - start
-        clear()
-        peak = peak_bytes(step)
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-        times = []
-        for _ in range(steps):
-            clear()
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        clear()
-        torch._dynamo.reset()
-        predicted = step_peak_bytes(b.plans) / 2**20 if b is not None and b.plans else None
-        results.append((setup, peak, statistics.median(times), grads, predicted, compile_s))
+        try:
+            results.append(_measure(workload, setup, steps=steps, amp=amp))
+        except Exception as error:  # noqa: BLE001 - reported in the row, the other setups still run
+            if k == 1:
+                raise
+            message = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[-1]
+            results.append((setup, math.nan, math.nan, None, None, math.nan, None, message[:300]))
+            torch._dynamo.reset()
     ref_peak, ref_time, ref_grads = results[0][1], results[0][2], results[0][3]
     rows = []
-    for setup, peak, t, grads, predicted, compile_s in results:
+    for setup, peak, t, grads, predicted, compile_s, flops, error in results:
         num = den = 0.0
-        for g, r in zip(grads, ref_grads):
+        for g, r in zip(grads or [], ref_grads):
             if g is not None and r is not None:
                 num += (g.double() - r.double()).pow(2).sum().item()
                 den += r.double().pow(2).sum().item()
         rows.append(Row(setup=setup, peak_mb=peak / 2**20, peak_ratio=peak / ref_peak, step_s=t, step_ratio=t / ref_time,
-                        grad_rel_diff=(num / den) ** 0.5 if den else 0.0, predicted_mb=predicted, compile_s=compile_s))
+                        grad_rel_diff=(num / den) ** 0.5 if den else (math.nan if grads is None else 0.0),
+                        predicted_mb=predicted, compile_s=compile_s, recompute_gflop=flops, error=error))
     return rows
 
 
+def _prepare_check(setup: str) -> None:
+    """Refuse a bad setup name before anything runs."""
+    if setup in ("eager", "checkpoint", "aot_eager", "inductor"):
+        return
+    compiler, _, knob = setup.partition("-budget:")
+    if knob and compiler in ("aot_eager", "inductor"):
+        try:
+            value = float(knob)
+        except ValueError:
+            value = -1.0
+        if not 0 < value <= 1:
+            raise ValueError(f"setup {setup!r}: the budget must be a number in (0, 1]")
+        return
+    if setup.startswith("ckpt:"):
+        from ckpt_fx import policies
+
+        policies.parse(setup[len("ckpt:"):])
+        return
+    raise ValueError(f"unknown setup {setup!r}; valid: {SETUP_FORMS}")
+
+
+def _measure(workload: Workload, setup: str, *, steps: int, amp: bool):
+    import contextlib
+
+    model = copy.deepcopy(workload.model)
+    fn, b, patch = _prepare(setup, model)
+    cast = (lambda: torch.autocast(_device(model), dtype=torch.bfloat16)) if amp else contextlib.nullcontext
+
+    def step() -> None:
+        torch.manual_seed(1234)
+        with patch(), cast():
+            loss = workload.loss(fn)
+        loss.backward()
+
+    def clear() -> None:
+        for p in model.parameters():
+            p.grad = None
+
+    start = time.perf_counter()
+    step()
+    compile_s = time.perf_counter() - start
+    clear()
+    peak = peak_bytes(step)
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    times = []
+    for _ in range(steps):
+        clear()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    clear()
+    torch._dynamo.reset()
+    predicted = step_peak_bytes(b.plans) / 2**20 if b is not None and b.plans else None
+    flops = sum(p.recompute_flops for p in b.plans) / 1e9 if b is not None and b.plans else None
+    return (setup, peak, statistics.median(times), grads, predicted, compile_s, flops, None)
+
+
+def _device(model: torch.nn.Module) -> str:
+    first = next(model.parameters(), None)
+    return first.device.type if first is not None else "cpu"
+
+
 def markdown(rows: list[Row]) -> str:
-    """The rows as a Markdown table."""
-    out = ["| setup | peak MB | x ref | step s | x ref | grad rel diff | predicted MB | compile s |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    """The rows as a Markdown table (failed setups listed below it with their errors)."""
+    out = ["| setup | peak MB | x ref | step s | x ref | recompute GFLOP | grad rel diff | predicted MB | compile s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    failed = []
     for r in rows:
+        if r.error is not None:
+            out.append(f"| {r.setup} | failed | | | | | | | |")
+            failed.append(f"- {r.setup}: {r.error}")
+            continue
         pred = f"{r.predicted_mb:.1f}" if r.predicted_mb is not None else "-"
+        flops = f"{r.recompute_gflop:.2f}" if r.recompute_gflop is not None else "-"
         out.append(f"| {r.setup} | {r.peak_mb:.1f} | {r.peak_ratio:.3f} | {r.step_s:.3f} | {r.step_ratio:.2f} | "
-                   f"{r.grad_rel_diff:.1e} | {pred} | {r.compile_s:.1f} |")
-    return "\n".join(out)
+                   f"{flops} | {r.grad_rel_diff:.1e} | {pred} | {r.compile_s:.1f} |")
+    return "\n".join(out + ([""] + failed if failed else []))
 
 
 def as_dicts(rows: list[Row]) -> list[dict]:
