@@ -17,14 +17,21 @@ from passes.solve import Infeasible
 from ckpt_fx import policies
 from passes import Plan
 from passes import pipeline
-from passes._compat import RECOMPUTE_KEY, aot_autograd, boxed_nop, default_partition
+from passes._compat import (
+    RECOMPUTE_KEY,
+    aot_autograd,
+    boxed_nop,
+    default_partition,
+    has_inductor_partitioner_hook,
+    inductor_with_partitioner,
+)
 from passes.debug import debug_checks_pass
 from passes.regions import PATH_KEY
 from passes.select import REASON_KEY
 
 log = logging.getLogger("ckpt_fx")
 
-COMPILERS = ("eager",)
+COMPILERS = ("eager", "inductor")
 OPTION_KEYS = ("policy", "compiler", "strict", "debug", "debug_dir")
 
 
@@ -35,7 +42,8 @@ class Options:
     policy: policies.Policy = field(default_factory=policies.blocks)
     """What to save and what to recompute (see ckpt_fx.policies)."""
     compiler: str = "eager"
-    """Inner compiler for the partitioned graphs: "eager" (FX graphs run as Python)."""
+    """Inner compiler for the partitioned graphs: "eager" (FX graphs run as Python) or "inductor"
+    (Inductor's joint-graph passes, then our partition, then Inductor's kernels)."""
     strict: bool = False
     """Raise instead of falling back to AOTAutograd's default partition when a pass fails."""
     debug: bool | str = False
@@ -47,17 +55,19 @@ class Options:
     def __post_init__(self) -> None:
         if not callable(self.policy):
             raise ValueError(f"policy must be callable, got {self.policy!r}")
-        if self.compiler == "inductor":
-            raise ValueError(
-                "compiler='inductor' is not supported yet: Inductor would reorder the backward and undo "
-                "the just-in-time recompute; use compiler='eager'"
-            )
         if self.compiler not in COMPILERS:
             raise ValueError(f"unknown compiler {self.compiler!r}; valid: {', '.join(map(repr, COMPILERS))}")
+        if self.compiler == "inductor" and not has_inductor_partitioner_hook():
+            raise ValueError(
+                f"compiler='inductor' needs torch._inductor.config.custom_partitioner_fn, which torch "
+                f"{torch.__version__} lacks; use compiler='eager'"
+            )
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict must be True or False, got {self.strict!r}")
         if self.debug not in (False, True, "values"):
             raise ValueError(f"debug must be False, True or 'values', got {self.debug!r}")
+        if self.debug and self.compiler == "inductor":
+            raise ValueError("debug checks run Python in the graphs: use them with compiler='eager', not 'inductor'")
         if not isinstance(self.debug_dir, str) or not self.debug_dir:
             raise ValueError(f"debug_dir must be a non-empty path, got {self.debug_dir!r}")
 
@@ -170,7 +180,23 @@ class CkptBackend:
             self._warned.add(message)
             warnings.warn(message, stacklevel=3)
 
+    def cache_key(self) -> str | None:
+        """What Inductor's FX graph cache keys our partition on: the policy, the options that change
+        the plan, and the source of the passes; None (no caching) for a policy without a spec string
+        (a custom callable's name does not identify what it decides)."""
+        spec = getattr(self.options.policy, "spec", None)
+        if spec is None:
+            return None
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+
+        root = pathlib.Path(__file__).resolve().parents[1]
+        files = sorted((root / "passes").glob("*.py")) + [root / "ckpt_fx" / "policies.py"]
+        return f"ckpt_fx:{spec}:strict={self.options.strict}:{get_hash_for_files(tuple(map(str, files))).hex()}"
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        if self.options.compiler == "inductor":
+            compile_fn = inductor_with_partitioner(self.partition, self.cache_key())
+            return compile_fn(gm, example_inputs)
         return aot_autograd(
             fw_compiler=boxed_nop,
             bw_compiler=boxed_nop,

@@ -23,7 +23,10 @@ DEFAULT_SETUPS = (
     "ckpt:blocks:every=1,skip_first=0", "ckpt:blocks:4", "ckpt:segments:4", "ckpt:sqrt", "ckpt:selective",
     "ckpt:budget:0.5", "ckpt:budget:0.25", "ckpt:budget:0.1",
 )
-SETUP_FORMS = "eager, checkpoint, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, ckpt:<policy>"
+SETUP_FORMS = (
+    "eager, checkpoint, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, ckpt:<policy>, "
+    "ckpt-inductor:<policy>"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +132,9 @@ def _prepare(setup: str, model: torch.nn.Module):
     if setup.startswith("ckpt:"):
         b = ckpt_backend(policy=setup[len("ckpt:"):])
         return torch.compile(model, backend=b), b, none
+    if setup.startswith("ckpt-inductor:"):
+        b = ckpt_backend(policy=setup[len("ckpt-inductor:"):], compiler="inductor")
+        return torch.compile(model, backend=b), b, none
     raise ValueError(f"unknown setup {setup!r}; valid: {SETUP_FORMS}")
 
 
@@ -182,10 +188,10 @@ def _prepare_check(setup: str) -> None:
         if not 0 < value <= 1:
             raise ValueError(f"setup {setup!r}: the budget must be a number in (0, 1]")
         return
-    if setup.startswith("ckpt:"):
+    if setup.startswith(("ckpt:", "ckpt-inductor:")):
         from ckpt_fx import policies
 
-        policies.parse(setup[len("ckpt:"):])
+        policies.parse(setup.partition(":")[2])
         return
     raise ValueError(f"unknown setup {setup!r}; valid: {SETUP_FORMS}")
 

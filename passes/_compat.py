@@ -5,6 +5,9 @@ When torch moves one of these, this is the only file to change.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
@@ -67,3 +70,39 @@ def is_impure_not_random(node: torch.fx.Node) -> bool:
         return node.is_impure(impure_random=False)
     except TypeError:  # an fx without the keyword: it did not count random ops as impure
         return node.is_impure()
+
+
+def has_inductor_partitioner_hook() -> bool:
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config, "custom_partitioner_fn")
+
+
+def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None) -> Callable[..., Any] | None:
+    """A torch.compile backend running Inductor with `partition` as its partitioner, after
+    Inductor's own joint-graph passes (config.custom_partitioner_fn); None when this torch lacks
+    the hook. `uuid` keys Inductor's FX graph cache: it must change with anything that changes
+    the plan, or the cache serves a plan made for another policy; None turns the cache off."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "custom_partitioner_fn"):
+        return None
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class Partitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            kwargs.pop("compiler", None)
+            return partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> str | None:
+            return uuid
+
+        def __reduce__(self):  # the cache key pickles the config: the uuid stands for us
+            return (str, (str(uuid),))
+
+    def compile_with_partitioner(gm, example_inputs):
+        with inductor_config.patch(custom_partitioner_fn=Partitioner()):
+            return compile_fx(gm, example_inputs)
+
+    return compile_with_partitioner

@@ -223,11 +223,19 @@ class Chooser:
             peak=plan.peak_bytes, cost=solution.cost, solver=solution.solver, candidates=len(self.peaks),
         )
 
-    def reject(self) -> None:
-        """Raise Infeasible: no candidate fitted."""
+    def reject(self, first) -> Choice:
+        """No candidate fitted: the first (no recompute) when no candidate lowers the peak at all
+        (a graph with nothing to recompute, such as a loss after a graph break); else raise
+        Infeasible naming the smallest budget that fits."""
         from passes.solve import Infeasible
 
         smallest = min(self.peaks)
+        if smallest >= self.base.peak_bytes:
+            return Choice(
+                limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=smallest,
+                peak=self.base.peak_bytes, cost=first.solution.cost, solver=first.solution.solver,
+                candidates=len(self.peaks),
+            )
         floor = self.base.gradient_bytes
         span = max(self.base.peak_bytes - floor, 1)
         least = (smallest - floor) / span

@@ -48,7 +48,8 @@ def dropout_pass(gm: torch.fx.GraphModule) -> int:
             continue  # Note [Dropout under checkpointing]: rounding not verified off the CPU
         scale = 1.0 / (1.0 - p)
         with graph.inserting_after(mask):
-            noise = graph.call_function(torch.ops.aten._to_copy.default, (mask,), {"dtype": value.dtype})
+            # prims' cast, not aten._to_copy: Inductor lowers the prim and expects _to_copy decomposed.
+            noise = graph.call_function(torch.ops.prims.convert_element_type.default, (mask, value.dtype))
         with graph.inserting_after(noise):
             scaled = graph.call_function(torch.ops.aten.mul.Tensor, (noise, scale))
         with graph.inserting_after(scaled):

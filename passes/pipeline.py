@@ -107,16 +107,22 @@ def run(
         fw, bw, plan = plan_with(policy, policy_name)
     else:
         chooser = policy.chooser()
-        found = None
+        found = first = None
         for candidate in candidates(joint, hard_rules(joint)):
             result = plan_with(candidate, policy_name)
+            first = first or (result, candidate)
             choice = step("select", lambda: chooser.accept(result[2], candidate))
             if choice is not None:
                 found = result
                 policy.choices.append(choice)
                 break
         if found is None:
-            step("select", chooser.reject)
+            # Nothing fits: an error naming the smallest feasible budget, or, when no plan lowers
+            # this graph's peak at all (nothing in it to recompute), the graph as it is.
+            choice = step("select", lambda: chooser.reject(first[1]))
+            policy.choices.append(choice)
+            found = first[0]
+            select_pass(joint, policy=first[1])  # leave the joint graph tagged as planned
         fw, bw, plan = found
     log.log(
         logging.INFO if dump is not None else logging.DEBUG,  # debug runs list the passes at INFO

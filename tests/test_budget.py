@@ -111,3 +111,28 @@ def test_bad_budgets_raise_naming_the_value(spec, fragment):
         policies.parse(spec)
     with pytest.raises(ValueError, match="unknown solver 'best'"):
         policies.budget(0.5, solver="best")
+
+
+def test_a_graph_with_nothing_to_recompute_is_kept_not_refused():
+    """A loss computed after a graph break has nothing a budget could drop: that graph is kept as
+    it is, and the graph with the blocks still gets its budget."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = build("gpt", layers=2, dim=64, heads=2, dropout=0.0)
+
+        def forward(self, ids):
+            logits = self.body(ids)
+            torch._dynamo.graph_break()
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    model = Model()
+    ids = torch.randint(0, 1000, (2, 64))
+    backend = ckpt_fx.backend(policy="budget:0.6", strict=True)
+    torch.compile(model, backend=backend)(ids).backward()
+    choices = backend.options.policy.choices
+    assert len(backend.plans) == 2 and len(choices) == 2
+    body, loss = choices
+    assert body.peak <= body.limit_bytes < body.baseline_peak
+    assert loss.peak == loss.baseline_peak == loss.smallest_peak  # kept as it is

@@ -1,0 +1,77 @@
+"""compiler="inductor": Inductor's joint-graph passes, our partition (through its custom
+partitioner hook), Inductor's kernels. Gradients against eager with Inductor's random ops falling
+back to aten's, the measured peak, and the FX graph cache never serving another policy's plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckpt_fx
+from ckpt_fx.models import build
+from passes._compat import has_inductor_partitioner_hook
+
+pytestmark = pytest.mark.skipif(not has_inductor_partitioner_hook(), reason="no custom_partitioner_fn in this torch")
+
+
+@pytest.fixture
+def fresh_inductor_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    yield tmp_path / "inductor"
+
+
+def _model(dropout: float = 0.0):
+    torch.manual_seed(0)
+    return build("gpt", layers=2, dim=64, heads=2, dropout=dropout)
+
+
+def _step(fn, ids):
+    torch.manual_seed(7)
+    fn(ids, ids).backward()
+
+
+def test_inductor_gradients_equal_eager_with_dropout(fresh_inductor_cache):
+    model = _model(dropout=0.1)
+    ids = torch.randint(0, 1000, (2, 32))
+    _step(model, ids)
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    backend = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", compiler="inductor", strict=True)
+    with torch._inductor.config.patch(fallback_random=True):
+        _step(torch.compile(model, backend=backend), ids)
+    for got, want in zip([p.grad for p in model.parameters()], eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert backend.plans and backend.plans[0].recomputed
+
+
+def test_inductor_keeps_the_memory_savings_and_the_cache_keeps_policies_apart(fresh_inductor_cache):
+    """Same model, same cache folder: `none` then per-block checkpointing. The second compile makes
+    its own plan (the cache key holds the policy) and its measured peak is far lower."""
+    model = _model()
+    ids = torch.randint(0, 1000, (4, 128))
+    peaks, plans = {}, {}
+    for policy in ("none", "blocks:every=1,skip_first=0"):
+        torch._dynamo.reset()
+        backend = ckpt_fx.backend(policy=policy, compiler="inductor", strict=True)
+        fn = torch.compile(model, backend=backend)
+        _step(fn, ids)
+        model.zero_grad(set_to_none=True)
+        peaks[policy] = ckpt_fx.peak_bytes(lambda: _step(fn, ids))
+        model.zero_grad(set_to_none=True)
+        plans[policy] = backend.plans
+    assert plans["blocks:every=1,skip_first=0"], "the cache served the other policy's plan"
+    assert plans["blocks:every=1,skip_first=0"][0].recomputed
+    assert peaks["blocks:every=1,skip_first=0"] < 0.6 * peaks["none"], peaks
+
+
+def test_cache_key_names_policy_and_passes_and_skips_custom_callables():
+    a = ckpt_fx.backend(policy="blocks", compiler="inductor")
+    b = ckpt_fx.backend(policy="blocks:4", compiler="inductor")
+    assert a.cache_key() != b.cache_key() and "blocks(every=1, skip_first=1)" in a.cache_key()
+    custom = ckpt_fx.backend(policy=lambda info: ckpt_fx.CheckpointPolicy.PREFER_SAVE, compiler="inductor")
+    assert custom.cache_key() is None  # a function's name does not say what it decides: no caching
+
+
+def test_debug_is_refused_with_inductor():
+    with pytest.raises(ValueError, match="debug checks run Python in the graphs"):
+        ckpt_fx.backend(compiler="inductor", debug=True)
