@@ -82,7 +82,9 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     """Compile a copy of `model` with `policy`, run one training step on (args, kwargs), and report
     per block the saved bytes, the recomputed ops and FLOPs, every saved tensor, the predicted peak
     (and the measured one, with eager's beside it, when `measure=True`). The model is not changed."""
-    options = Options(policy=policies.parse(policy))
+    # The eager inner compiler: it plans every time (no compiled-graph cache), in seconds. Inductor's
+    # fusion can only keep the peak lower than this plan's.
+    options = Options(policy=policies.parse(policy), compiler="eager")
     name = policies.policy_name(options.policy)
     backend = CkptBackend(options)
     joints: list[torch.fx.GraphModule] = []

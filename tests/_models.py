@@ -29,6 +29,7 @@ class Spec:
     shared: bool = False  # one Linear used twice in the same forward
     tied: bool = False  # the head reuses the embedding's weight
     frozen: bool = False  # the first block's parameters do not require grad (LoRA-style)
+    recurrent: bool = False  # a tanh RNN cell unrolled over the time steps
 
 
 class Block(nn.Module):
@@ -50,6 +51,9 @@ class Block(nn.Module):
             self.conv_bn = nn.BatchNorm1d(d)
         if s.shared:
             self.twice = nn.Linear(d, d)
+        if s.recurrent:
+            self.cell_x = nn.Linear(d, d)
+            self.cell_h = nn.Linear(d, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.s
@@ -73,6 +77,13 @@ class Block(nn.Module):
             h = h + F.max_pool1d(F.pad(c, (0, 1)), 2, stride=1).transpose(1, 2)
         if s.shared:
             h = self.twice(torch.tanh(self.twice(h)))
+        if s.recurrent:
+            state = h.new_zeros(b, d)
+            steps = []
+            for i in range(t):
+                state = torch.tanh(self.cell_x(h[:, i]) + self.cell_h(state))
+                steps.append(state)
+            h = torch.stack(steps, 1)
         return x + h if s.residual else h
 
 

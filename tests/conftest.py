@@ -4,6 +4,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+# The suite plans with the eager inner compiler (seconds per compile; Inductor takes a minute per
+# model on a CPU); tests/test_inductor.py and the default's own test use Inductor explicitly.
+# Examples and the command line run in subprocesses and inherit this.
+os.environ.setdefault("CKPT_FX_COMPILER", "eager")
+
 # CI: a fixed, derandomized set of examples. CKPT_FX_HYPOTHESIS=large: ten times as many, random.
 settings.register_profile(
     "ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,

@@ -75,3 +75,17 @@ def test_cache_key_names_policy_and_passes_and_skips_custom_callables():
 def test_debug_is_refused_with_inductor():
     with pytest.raises(ValueError, match="debug checks run Python in the graphs"):
         ckpt_fx.backend(compiler="inductor", debug=True)
+
+
+def test_inductor_is_the_default_compiler_and_debug_picks_eager(monkeypatch):
+    monkeypatch.delenv("CKPT_FX_COMPILER", raising=False)
+    monkeypatch.delenv("CKPT_FX_DEBUG", raising=False)
+    assert ckpt_fx.backend().options.compiler == "inductor"
+    assert ckpt_fx.Options.from_mapping({}).compiler == "inductor"
+    assert ckpt_fx.backend(debug=True).options.compiler == "eager"
+    assert ckpt_fx.Options.from_mapping({"debug": True}).compiler == "eager"
+    monkeypatch.setenv("CKPT_FX_COMPILER", "eager")
+    assert ckpt_fx.backend().options.compiler == "eager"
+    monkeypatch.setenv("CKPT_FX_COMPILER", "tvm")
+    with pytest.raises(ValueError, match="unknown compiler 'tvm'"):
+        ckpt_fx.backend()

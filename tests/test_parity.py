@@ -41,6 +41,8 @@ POLICIES = [
     coin_policy,
     no_matmul_saved,
     policies.only_in("layers.1", "blocks:every=1,skip_first=0"),
+    "selective",
+    "graph",
 ]
 
 specs = st.builds(
@@ -59,6 +61,7 @@ specs = st.builds(
     shared=st.booleans(),
     tied=st.booleans(),
     frozen=st.booleans(),
+    recurrent=st.booleans(),
 )
 
 
@@ -188,3 +191,27 @@ def test_parity_on_device(device):
         got = train_step(model, x, ckpt_fx.backend(policy=policy, strict=True))
         ref = train_step(model, x, "aot_eager")
         assert bitwise_equal(got, ref), policy
+
+
+@given(spec=specs, batch=st.integers(1, 3), seq=st.integers(2, 6))
+def test_budget_plans_are_exact_and_the_smallest_budget_named_fits(spec, batch, seq):
+    """budget(0.3) either plans (gradients bitwise those of the un-checkpointed run) or fails
+    naming the smallest feasible budget; that one then plans, exactly as well."""
+    import re
+
+    from passes.solve import Infeasible
+
+    model = make(spec)
+    x = inputs(spec, batch, seq)
+    base = train_step(model, x, "aot_eager")
+    try:
+        got = train_step(model, x, ckpt_fx.backend(policy="budget:0.3", strict=True))
+    except Exception as error:  # noqa: BLE001 - dynamo wraps the backend's error
+        cause = error
+        while cause is not None and not isinstance(cause, Infeasible):
+            cause = getattr(cause, "inner_exception", None) or cause.__cause__
+        assert cause is not None, error
+        smallest = float(re.search(r"budget (\d\.\d+) as a fraction", str(cause)).group(1))
+        torch._dynamo.reset()
+        got = train_step(model, x, ckpt_fx.backend(policy=f"budget:{min(1.0, smallest + 0.002):.3f}", strict=True))
+    assert bitwise_equal(got, base)
