@@ -88,6 +88,9 @@ def bench(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(b.as_dicts(rows), f, indent=2)
+    if args.plot:
+        b.plot(rows, args.plot, title=f"{workload.name}; torch {torch.__version__}{amp}")
+        print(f"\nplot: {args.plot}")
     return 0
 
 
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--steps", type=int, default=5)
     bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks' (default: all)")
     bn.add_argument("--amp", action="store_true", help="run every step under bf16 autocast")
+    bn.add_argument("--plot", help="also draw peak against step time (Pareto front) into this PNG (matplotlib)")
     bn.add_argument("--json", help="also write the rows to this file")
     bn.set_defaults(run=bench)
     args = parser.parse_args(argv)

@@ -19,13 +19,13 @@ from ckpt_fx.measure import peak_bytes
 from passes.memory import step_peak_bytes
 
 DEFAULT_SETUPS = (
-    "eager", "checkpoint", "aot_eager", "aot_eager-budget:0.5", "ckpt:none", "ckpt:blocks",
-    "ckpt:blocks:every=1,skip_first=0", "ckpt:blocks:4", "ckpt:segments:4", "ckpt:sqrt", "ckpt:selective",
-    "ckpt:budget:0.5", "ckpt:budget:0.25", "ckpt:budget:0.1",
+    "eager", "checkpoint", "inductor", "inductor-budget:0.5", "ckpt-eager:blocks", "ckpt:blocks",
+    "ckpt:blocks:every=1,skip_first=0", "ckpt:blocks:4", "ckpt:sqrt", "ckpt:selective",
+    "ckpt:budget:0.5", "ckpt:budget:0.3", "ckpt:budget:0.15",
 )
 SETUP_FORMS = (
-    "eager, checkpoint, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, ckpt:<policy>, "
-    "ckpt-inductor:<policy>"
+    "eager, checkpoint, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, ckpt:<policy> "
+    "(the default inner compiler), ckpt-eager:<policy>, ckpt-inductor:<policy>"
 )
 
 
@@ -132,9 +132,10 @@ def _prepare(setup: str, model: torch.nn.Module):
     if setup.startswith("ckpt:"):
         b = ckpt_backend(policy=setup[len("ckpt:"):])
         return torch.compile(model, backend=b), b, none
-    if setup.startswith("ckpt-inductor:"):
-        b = ckpt_backend(policy=setup[len("ckpt-inductor:"):], compiler="inductor")
-        return torch.compile(model, backend=b), b, none
+    for compiler in ("eager", "inductor"):
+        if setup.startswith(f"ckpt-{compiler}:"):
+            b = ckpt_backend(policy=setup.partition(":")[2], compiler=compiler)
+            return torch.compile(model, backend=b), b, none
     raise ValueError(f"unknown setup {setup!r}; valid: {SETUP_FORMS}")
 
 
@@ -152,7 +153,9 @@ def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: 
     results = []
     for k, setup in enumerate(setups, 1):
         if progress:
-            progress(f"[{k}/{len(setups)}] {setup}")
+            width = 20
+            filled = round(width * (k - 1) / len(setups))
+            progress(f"[{'#' * filled}{'.' * (width - filled)}] {k}/{len(setups)} {setup}")
         try:
             results.append(_measure(workload, setup, steps=steps, amp=amp))
         except Exception as error:  # noqa: BLE001 - reported in the row, the other setups still run
@@ -188,7 +191,7 @@ def _prepare_check(setup: str) -> None:
         if not 0 < value <= 1:
             raise ValueError(f"setup {setup!r}: the budget must be a number in (0, 1]")
         return
-    if setup.startswith(("ckpt:", "ckpt-inductor:")):
+    if setup.startswith(("ckpt:", "ckpt-eager:", "ckpt-inductor:")):
         from ckpt_fx import policies
 
         policies.parse(setup.partition(":")[2])
@@ -256,3 +259,40 @@ def markdown(rows: list[Row]) -> str:
 
 def as_dicts(rows: list[Row]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def plot(rows: list[Row], path: str, *, title: str = "") -> None:
+    """Peak memory against step time, one point per setup, the Pareto front (no other setup both
+    smaller and faster) drawn through; saved as an image at `path`. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'ckpt-fx[plot]'") from None
+    done = [r for r in rows if r.error is None]
+    front = pareto_front(done)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for r in done:
+        on = r in front
+        ax.scatter(r.step_ratio, r.peak_ratio, color="tab:red" if on else "tab:gray", zorder=3)
+        ax.annotate(r.setup, (r.step_ratio, r.peak_ratio), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ordered = sorted(front, key=lambda r: r.step_ratio)
+    ax.step([r.step_ratio for r in ordered], [r.peak_ratio for r in ordered], where="post", color="tab:red",
+            label="Pareto front")
+    ax.set_xlabel("step time / first setup's")
+    ax.set_ylabel("measured peak / first setup's")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pareto_front(rows: list[Row]) -> list[Row]:
+    """The rows no other row beats on both peak and step time."""
+    return [r for r in rows if not any(
+        o is not r and o.peak_mb <= r.peak_mb and o.step_s <= r.step_s and (o.peak_mb < r.peak_mb or o.step_s < r.step_s)
+        for o in rows)]

@@ -40,3 +40,14 @@ def test_bad_setups_are_refused_before_running(setup, fragment):
     workload = bench.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=8)
     with pytest.raises(ValueError, match=fragment):
         bench.run(workload, ("eager", setup), steps=1)
+
+
+def test_plot_draws_the_pareto_front(rows, tmp_path):
+    pytest.importorskip("matplotlib")
+    done = [r for r in rows.values() if r.error is None]
+    front = bench.pareto_front(done)
+    assert front and all(not (o.peak_mb < r.peak_mb and o.step_s < r.step_s) for r in front for o in done)
+    assert min(done, key=lambda r: r.peak_mb) in front and min(done, key=lambda r: r.step_s) in front
+    path = tmp_path / "bench.png"
+    bench.plot(list(rows.values()), str(path), title="tiny")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
