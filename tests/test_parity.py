@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import ckpt_fx
@@ -84,6 +84,8 @@ def functional_reference(model: torch.nn.Module, x: torch.Tensor, seed: int = 7)
 
 
 @given(spec=specs, policy=st.sampled_from(POLICIES), batch=st.integers(1, 3), seq=st.integers(2, 6))
+@example(spec=Spec(depth=1, width=8, heads=1, embedding=False, attention="sdpa", mlp=False, norm=False, residual=False),
+         policy=coin_policy, batch=1, seq=2)  # found by the large profile: attention recomputed
 def test_gradients_equal_the_uncheckpointed_run(spec, policy, batch, seq):
     """Bitwise equal to aot_eager without checkpointing, allclose to eager and to torch.func;
     the backward recomputes only forward, non-random nodes; buffers change exactly as in eager."""
@@ -112,9 +114,8 @@ def test_gradients_equal_the_uncheckpointed_run(spec, policy, batch, seq):
             original = forward[node.name]
             assert original.meta.get("partitioner_tag") == "is_forward", node.name
             assert hard_rule(original) is None, f"{node.name} ({original.target}) must not be recomputed"
-        for node in bw.graph.nodes:
-            if isinstance(node.target, torch._ops.OpOverload):
-                assert torch.Tag.nondeterministic_seeded not in node.target.tags, f"random op {node} in backward"
+        for node in bw.graph.nodes:  # random ops never run in the backward (attention with dropout_p=0 may)
+            assert hard_rule(node) != "random", f"random op {node} in backward"
     for plan, (joint, bw) in zip(recorder.backend.plans, recorder.graphs):
         forward = {n.name for n in forward_nodes(joint.graph) if n.op == "call_function"}
         assert set(plan.recomputed) == {n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in forward}
@@ -145,6 +146,14 @@ def test_measured_peak_no_higher_than_without_checkpointing(spec, policy, batch,
         return ckpt_fx.peak_bytes(step)
 
     assert peak(policy) <= peak("none")
+
+
+@pytest.mark.xfail(strict=True, reason="known: a segment starting with a frozen block rebuilds it for the next "
+                   "block's input, holding one activation more than saving that input (found by the large profile)")
+def test_regression_segment_over_a_frozen_block_peak():
+    spec = Spec(depth=2, width=8, heads=1, embedding=False, attention="manual", mlp=False, norm=True, residual=False,
+                conv=True, frozen=True)
+    test_measured_peak_no_higher_than_without_checkpointing.hypothesis.inner_test(spec, "segments:2", 2, 16)
 
 
 def test_batchnorm_running_stats_update_exactly_once(device):
