@@ -26,7 +26,7 @@ import torch
 from passes._compat import CheckpointPolicy
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
 from passes.regions import REGION_KEY, forward_nodes
-from passes.solve import Problem, Solution, solve
+from passes.solve import Problem, Solution, save_all, solve
 
 # Note [Roofline cost]
 # The recompute cost of a node is its time on a roofline: max(FLOPs / peak FLOP/s, bytes moved /
@@ -127,9 +127,7 @@ def _boundaries(nodes: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int
 
 def baseline_bytes(problem: Problem) -> int:
     """Bytes saved when nothing is recomputed: every value the backward reads (a view's base)."""
-    from passes.solve import _save_all
-
-    return sum(problem.nbytes[i] for i in _save_all(problem))
+    return sum(problem.nbytes[i] for i in save_all(problem))
 
 
 def decisions(graph: Graph, solution: Solution) -> dict[str, CheckpointPolicy]:

@@ -153,7 +153,7 @@ def greedy(problem: Problem, budget: int) -> Solution:
     import heapq
 
     start = time.perf_counter()
-    saved = _save_all(problem)
+    saved = save_all(problem)
     recomputed = closure(problem, saved)
     assert recomputed is not None
     total = sum(problem.nbytes[i] for i in saved)
@@ -214,7 +214,7 @@ def greedy(problem: Problem, budget: int) -> Solution:
     return _solution(problem, saved, recomputed, "greedy", False, start)
 
 
-def _save_all(problem: Problem) -> set[int]:
+def save_all(problem: Problem) -> set[int]:
     """Every needed value saved; a needed value that cannot be saved (a view) has its inputs
     saved instead, recursively."""
     saved: set[int] = set()
