@@ -92,9 +92,16 @@ class Options:
         compiler = os.environ.get("CKPT_FX_COMPILER", "").strip()
         if compiler:
             out["compiler"] = compiler
-        elif out.get("debug"):
-            out["compiler"] = "eager"  # the debug checks run Python in the graphs
         return out
+
+    @staticmethod
+    def merged(given: dict[str, Any]) -> dict[str, Any]:
+        """The environment's settings overridden by `given`; with debugging on and no compiler
+        named anywhere, the eager one (the debug checks run Python in the graphs)."""
+        settings = {**Options.settings_from_env(), **given}
+        if settings.get("debug") and "compiler" not in settings:
+            settings["compiler"] = "eager"
+        return settings
 
     @staticmethod
     def from_mapping(options: dict[str, Any] | None) -> Options:
@@ -105,10 +112,7 @@ class Options:
             raise ValueError(f"unknown ckpt option(s) {unknown}; valid: {', '.join(OPTION_KEYS)}")
         if "policy" in options:
             options["policy"] = policies.parse(options["policy"])
-        settings = {**Options.settings_from_env(), **options}
-        if "compiler" not in options and options.get("debug") and "CKPT_FX_COMPILER" not in os.environ:
-            settings["compiler"] = "eager"  # the debug checks run Python in the graphs
-        return Options(**settings)
+        return Options(**Options.merged(options))
 
 
 class CkptBackend:
@@ -233,10 +237,7 @@ def backend(
     >>> compiled = torch.compile(model, backend=ckpt_fx.backend(policy="segments:4"))
     """
     given = {k: v for k, v in (("debug", debug), ("debug_dir", debug_dir), ("compiler", compiler)) if v is not None}
-    settings = {**Options.settings_from_env(), **given}
-    if compiler is None and debug and "CKPT_FX_COMPILER" not in os.environ:
-        settings["compiler"] = "eager"  # the debug checks run Python in the graphs
-    return CkptBackend(Options(policy=policies.parse(policy), strict=strict, **settings))
+    return CkptBackend(Options(policy=policies.parse(policy), strict=strict, **Options.merged(given)))
 
 
 def _dumper(folder: pathlib.Path):
