@@ -12,7 +12,9 @@ input rebuilds blocks 0..10 at once, and those stay alive until their own backwa
 GPT, a budget of 0.05 peaked higher than one of 0.1. So when the graph has blocks, what leaves a
 block (its output, read by the next) is always saved, as the block policies do: a recompute never
 reaches past one block, and the peak falls with the budget. The smallest feasible budget is then
-about per-block checkpointing's saved bytes.
+about per-block checkpointing's saved bytes. Likewise what enters a block from outside any block
+(rotary tables computed once and read by every block) is saved: a recompute stays inside its
+block, and the blocks are independent parts for the solver (Note [Independent parts]).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from passes._compat import CheckpointPolicy
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
+from passes.memory import Estimate
 from passes.regions import REGION_KEY, forward_nodes
 from passes.solve import Problem, Solution, save_all, solve
 
@@ -105,14 +108,13 @@ def _block_of(node: torch.fx.Node) -> object | None:
 
 
 def _boundaries(nodes: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int], saveable: list[bool]) -> set[int]:
-    """Values that leave a block for a later forward node outside it (Note [Block boundaries under
-    a budget]); a view or tuple element leaving a block stands for the value it is read from."""
+    """Values that leave a block for a later forward node outside it, or enter one from outside
+    any block (Note [Block boundaries under a budget]); a view or tuple element crossing stands
+    for the value it is read from."""
     out: set[int] = set()
     for node in nodes:
         block = _block_of(node)
-        if block is None:
-            continue
-        if any(u in index and _block_of(u) != block for u in node.users):
+        if any(u in index and _block_of(u) != block and (block is not None or _block_of(u) is not None) for u in node.users):
             stack = [node]
             while stack:
                 n = stack.pop()
@@ -172,15 +174,28 @@ def candidate_policies(
 ) -> Iterator[Callable]:
     """Per-node policies for the distinct plans at the grid's saved-bytes fractions, then the plan
     that saves least, most saved first (so least recompute first); made lazily."""
-    from passes.solve import Infeasible, smallest_budget
+    from passes.solve import Infeasible, parts, pareto_front, smallest_budget
 
     graph = build_problem(gm, hard_rules=hard_rules)
-    base = baseline_bytes(graph.problem)
+    problem = graph.problem
+    base = baseline_bytes(problem)
+    # A problem in several parts (blocks) has its whole front found once; every candidate is a
+    # point on it (Note [Independent parts]).
+    front = None
+    if solver in ("auto", "parts") and len(parts(problem)) > 1:
+        front = pareto_front(problem, time_limit=time_limit)
+        if not front.exact and solver == "auto":
+            front = None
+
+    def plan(b: int | None) -> Solution:
+        if front is not None:
+            return front.solution(problem, front.nbytes[-1] if b is None else b)
+        return solve(problem, smallest_budget(problem) if b is None else b, solver=solver, time_limit=time_limit)
+
     seen = set()
     for g in (*grid, None):
-        b = smallest_budget(graph.problem) if g is None else int(g * base)
         try:
-            solution = solve(graph.problem, b, solver=solver, time_limit=time_limit)
+            solution = plan(None if g is None else int(g * base))
         except Infeasible:
             continue
         key = (solution.saved, solution.recomputed)
@@ -193,6 +208,7 @@ def candidate_policies(
             return chosen[info.name]
 
         policy.solution = solution  # type: ignore[attr-defined]
+        policy.recomputed = frozenset(n for n, d in chosen.items() if d == CheckpointPolicy.MUST_RECOMPUTE)  # type: ignore[attr-defined]
         yield policy
 
 
@@ -206,7 +222,7 @@ class Chooser:
         self.limit = 0
         self.peaks: list[int] = []
 
-    def accept(self, plan, candidate) -> Choice | None:
+    def accept(self, plan: Estimate, candidate) -> Choice | None:
         if self.base is None:
             self.base = plan
             floor = plan.gradient_bytes

@@ -241,3 +241,155 @@ def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:
         after = sum(p.gradient_bytes for p in plans[i + 1 :])
         peak = max(peak, before + plan.forward_peak_bytes, before + after + plan.backward_peak_bytes)
     return peak
+
+
+# Note [Peak from the joint graph]
+# Planning a candidate in full (partition, schedule, memory) builds two graphs: ~3 s for a 32-block
+# model. To compare candidates, JointLiveness walks the joint graph once per candidate instead, as
+# the pipeline would run it: the forward keeps what the backward reads and does not recompute; the
+# backward runs its nodes in joint order, each preceded by the recomputed nodes it needs not yet
+# made (Note [Just-in-time recompute]); every storage is freed after its last use (Note [What the
+# predicted peak counts]). It predicts the same peak as memory_pass on the partitioned graphs
+# (tested); only the chosen candidate is then partitioned.
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A candidate's predicted step peak, made from the joint graph."""
+
+    peak_bytes: int
+    gradient_bytes: int
+
+
+class JointLiveness:
+    """Predicts the step peak of a joint graph for a set of recomputed forward nodes
+    (Note [Peak from the joint graph]). Built once per graph; each estimate is a linear walk."""
+
+    def __init__(
+        self, joint: torch.fx.GraphModule, *, num_fwd_outputs: int, static_input_indices: list[int] | None = None
+    ):
+        from passes.regions import forward_nodes
+
+        nodes = list(joint.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        forward = {index[n] for n in forward_nodes(joint.graph)}
+        self.names = {n.name: i for i, n in enumerate(nodes)}
+        self.forward = forward
+        self.inputs = [[index[a] for a in n.all_input_nodes] for n in nodes]
+        self.key = list(range(len(nodes)))
+        self.nbytes = [0] * len(nodes)
+        self.entry = {}  # backward-entry bytes: incoming gradients and other non-primal inputs
+        for i, n in enumerate(nodes):
+            if is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node):
+                self.key[i] = self.key[index[n.args[0]]]
+            elif n.op == "call_function":
+                self.nbytes[i] = tensor_bytes(n.meta.get("val"))
+            elif n.op == "placeholder" and (is_tangent(n) or not is_primal(n)):
+                self.entry[i] = tensor_bytes(n.meta.get("val"))
+        self.touched = [tuple({self.key[a] for a in self.inputs[i]} | {self.key[i]}) for i in range(len(nodes))]
+        self.is_input = [n.op == "placeholder" for n in nodes]
+        self.call = [n.op == "call_function" for n in nodes]
+        out = nodes[-1] if nodes and nodes[-1].op == "output" else next(n for n in reversed(nodes) if n.op == "output")
+        args = list(out.args[0])
+        self.fw_outputs = [index[a] for a in args[:num_fwd_outputs] if isinstance(a, torch.fx.Node)]
+        keep = set(static_input_indices) if static_input_indices is not None else None
+        grads = [(k, a) for k, a in enumerate(args[num_fwd_outputs:]) if isinstance(a, torch.fx.Node)]
+        self.grads = [index[a] for _, a in grads]
+        self.kept_grads = [index[a] for k, a in grads if keep is None or k in keep]
+        # The backward's nodes (dead ones dropped), in joint order.
+        live: set[int] = set()
+        stack = [g for g in self.grads if g not in forward]
+        while stack:
+            i = stack.pop()
+            if i in live or i in forward:
+                continue
+            live.add(i)
+            stack.extend(self.inputs[i])
+        self.backward = sorted(i for i in live if self.call[i])
+        # The backward runs from the first node that reads an incoming gradient; a node before it
+        # (one that reads only forward values) runs when a later node first needs it, as torch's
+        # reordering_to_mimic_autograd_engine orders it (an in-place copy_ excepted).
+        tangents = [index[u] for n in nodes if is_tangent(n) for u in n.users]
+        first = min((i for i in tangents if i in live), default=0)
+        self.roots = [
+            i for i in self.backward if i >= first or nodes[i].target is torch.ops.aten.copy_.default
+        ]
+
+    def estimate(self, recomputed: set[str] | frozenset[str]) -> Estimate:
+        """Peak and parameter-gradient bytes when the forward nodes named in `recomputed` are
+        recomputed wherever the backward needs them and every other forward value it needs is saved."""
+        rec = {self.names[n] for n in recomputed if n in self.names}
+        forward, inputs = self.forward, self.inputs
+        # What the backward reads from the forward: saved, or recomputed (with what that needs).
+        saved: set[int] = set()
+        remade: set[int] = set()
+        stack = [a for b in self.backward for a in inputs[b] if a in forward]
+        while stack:
+            a = stack.pop()
+            if a in saved or a in remade:
+                continue
+            if a in rec and self.call[a]:
+                remade.add(a)
+                stack.extend(x for x in inputs[a] if x in forward)
+            else:
+                saved.add(a)
+        # Forward: what the outputs and the saved values need, in joint order.
+        needed: set[int] = set()
+        stack = [*self.fw_outputs, *saved]
+        while stack:
+            i = stack.pop()
+            if i in needed or not (i in forward or self.is_input[i]):
+                continue
+            needed.add(i)
+            stack.extend(inputs[i])
+        fw_order = sorted(needed)
+        held = {self.key[i] for i in (*self.fw_outputs, *saved)}
+        fw_live: dict[int, int] = {}
+        fw_peak = self._walk(fw_order, fw_live, held=held, pinned=held)
+        # Backward: saved values and outputs still held, incoming gradients; each node preceded by
+        # the recomputed nodes it needs not yet made.
+        outputs = {self.key[i] for i in self.fw_outputs}
+        saved_keys = {self.key[i] for i in saved}
+        bw_live = {k: v for k, v in fw_live.items() if k in outputs or k in saved_keys}
+        bw_live.update(self.entry)
+        order: list[int] = []
+        made: set[int] = set()
+        for b in self.roots:
+            todo, batch = [b], []
+            while todo:
+                i = todo.pop()
+                if i in made or (i in forward and i not in remade):
+                    continue
+                made.add(i)
+                batch.append(i)
+                todo.extend(inputs[i])
+            order.extend(sorted(batch))
+        bw_peak = self._walk(order, bw_live, held=set(), pinned=outputs, final=self.grads)
+        grads = {self.key[g]: bw_live.get(self.key[g], 0) for g in self.kept_grads}
+        return Estimate(peak_bytes=max(fw_peak, bw_peak), gradient_bytes=sum(grads.values()))
+
+    def _walk(self, order: list[int], live: dict[int, int], *, held: set[int], pinned: set[int],
+              final: list[int] = ()) -> int:
+        """Allocate each node's bytes, free a storage after its last use (keys in `held` are read
+        by the graph's output, keys in `pinned` are never freed); updates `live`, returns the peak."""
+        key, touched = self.key, self.touched
+        last: dict[int, int] = {}
+        for t, i in enumerate(order):
+            for k in touched[i]:
+                last[k] = t
+        end = len(order)
+        for k in held:
+            last[k] = end
+        for g in final:
+            last[key[g]] = end
+        total = sum(live.values())
+        peak = total
+        for t, i in enumerate(order):
+            if self.call[i] and key[i] == i:
+                live[i] = self.nbytes[i]
+                total += self.nbytes[i]
+                peak = max(peak, total)
+            for k in touched[i]:
+                if last[k] == t and k in live and k not in pinned:
+                    total -= live.pop(k)
+        return peak

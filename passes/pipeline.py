@@ -10,7 +10,7 @@ import torch
 
 from passes.costs import costs_pass
 from passes.dropout import dropout_pass
-from passes.memory import Plan, memory_pass
+from passes.memory import JointLiveness, Plan, memory_pass
 from passes.partition import partition_pass
 from passes.regions import forward_nodes, regions_pass
 from passes.schedule import schedule_pass
@@ -100,30 +100,36 @@ def run(
         )
         return fw, bw, plan
 
-    # A policy with candidates (a memory budget) offers several plans; each is planned in full
-    # and the policy picks one by the plans' predicted peaks (Note [Peak-aware budget]).
+    # A policy with candidates (a memory budget) offers several plans; the policy picks one by
+    # their predicted peaks (Note [Peak-aware budget]), each predicted from the joint graph (Note
+    # [Peak from the joint graph]); only the chosen one is partitioned.
     candidates = getattr(policy, "candidates", None)
     if candidates is None:
         fw, bw, plan = plan_with(policy, policy_name)
     else:
+        liveness = step(
+            "memory",
+            lambda: JointLiveness(
+                joint, num_fwd_outputs=num_fwd_outputs, static_input_indices=static_lifetime_input_indices
+            ),
+        )
         chooser = policy.chooser()
         found = first = None
-        for candidate in candidates(joint, hard_rules(joint)):
-            result = plan_with(candidate, policy_name)
-            first = first or (result, candidate)
-            choice = step("select", lambda: chooser.accept(result[2], candidate))
+        offered = iter(step("solve", lambda: candidates(joint, hard_rules(joint))))
+        while (candidate := step("solve", lambda: next(offered, None))) is not None:
+            estimate = step("memory", lambda: liveness.estimate(candidate.recomputed))
+            first = first or candidate
+            choice = step("select", lambda: chooser.accept(estimate, candidate))
             if choice is not None:
-                found = result
+                found = candidate
                 policy.choices.append(choice)
                 break
         if found is None:
             # Nothing fits: an error naming the smallest feasible budget, or, when no plan lowers
             # this graph's peak at all (nothing in it to recompute), the graph as it is.
-            choice = step("select", lambda: chooser.reject(first[1]))
-            policy.choices.append(choice)
-            found = first[0]
-            select_pass(joint, policy=first[1])  # leave the joint graph tagged as planned
-        fw, bw, plan = found
+            policy.choices.append(step("select", lambda: chooser.reject(first)))
+            found = first
+        fw, bw, plan = plan_with(found, policy_name)
     log.log(
         logging.INFO if dump is not None else logging.DEBUG,  # debug runs list the passes at INFO
         "ckpt_fx passes: %s",

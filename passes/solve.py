@@ -18,10 +18,13 @@ and it minimises sum(cost[R]) (then the saved bytes, to break ties). Every solve
     programme over positions that keeps the Pareto front of (saved bytes, cost) per state.
   - milp: exact for any graph, scipy's HiGHS MILP under a time limit (optimal=False if cut short).
   - greedy: any graph, fast: drops saved values cheapest-to-recompute-per-byte first.
+  - by_parts ("parts"): exact for any graph, through its independent parts (Note [Independent
+    parts]); fast when the parts are small and alike (a model's blocks).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -291,51 +294,31 @@ def _milp(problem: Problem, *, budget: int | None, time_limit: float) -> Solutio
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint
     from scipy.optimize import milp as scipy_milp
-    from scipy.sparse import lil_matrix
+    from scipy.sparse import vstack
 
     start = time.perf_counter()
     n = len(problem)
     if n == 0:
         return _solution(problem, set(), set(), "milp", True, start)
-    # Variables: s_0..s_{n-1} (saved), r_0..r_{n-1} (recomputed).
-    nbytes = np.array(problem.nbytes, dtype=float)
-    cost = np.array(problem.cost, dtype=float)
+    model = _milp_model(problem)
+    nbytes, cost = model.nbytes, model.cost
     scale_b = max(nbytes.max(), 1.0)
     scale_c = max(cost.max(), 1e-30)
     if budget is None:
         objective = np.concatenate([nbytes / scale_b, 1e-6 * cost / scale_c])
+        a, lower, upper = model.a, model.lower, model.upper
     else:
         # Cost first; bytes break ties (weighted below the smallest cost difference that matters).
         objective = np.concatenate([1e-6 * nbytes / scale_b / n, cost / scale_c])
-    rows = []  # (coefficients {var: coef}, lower bound)
-    for i in range(n):
-        if problem.needed[i]:
-            rows.append(({i: 1.0, n + i: 1.0}, 1.0))  # s_i + r_i >= 1
-        for j in problem.inputs[i]:
-            rows.append(({j: 1.0, n + j: 1.0, n + i: -1.0}, 0.0))  # s_j + r_j - r_i >= 0
-    m = len(rows) + (1 if budget is not None else 0)
-    a = lil_matrix((max(m, 1), 2 * n))
-    lower = np.full(max(m, 1), -np.inf)
-    upper = np.full(max(m, 1), np.inf)
-    for k, (coefs, lo) in enumerate(rows):
-        for var, coef in coefs.items():
-            a[k, var] += coef
-        lower[k] = lo
-    if budget is not None:
-        for i in range(n):
-            a[m - 1, i] = nbytes[i]
-        upper[m - 1] = budget
-    ub = np.ones(2 * n)
-    for i in range(n):
-        if not problem.saveable[i]:
-            ub[i] = 0
-        if not problem.recomputable[i]:
-            ub[n + i] = 0
+        row = np.concatenate([nbytes, np.zeros(n)])[None, :]
+        a = vstack([model.a, row], format="csr")
+        lower = np.append(model.lower, -np.inf)
+        upper = np.append(model.upper, budget)
     result = scipy_milp(
         objective,
-        constraints=LinearConstraint(a.tocsr(), lower, upper),
+        constraints=LinearConstraint(a, lower, upper),
         integrality=np.ones(2 * n),
-        bounds=Bounds(np.zeros(2 * n), ub),
+        bounds=Bounds(np.zeros(2 * n), model.ub),
         options={"time_limit": time_limit, "mip_rel_gap": 1e-9},
     )
     if result.x is None:
@@ -351,11 +334,268 @@ def _milp(problem: Problem, *, budget: int | None, time_limit: float) -> Solutio
     return _solution(problem, saved, recomputed, "milp", result.status == 0, start)
 
 
-SOLVERS: dict[str, Solver] = {"chain_dp": chain_dp, "milp": milp, "greedy": greedy}
+@dataclass(frozen=True)
+class _Model:
+    """A Problem's MILP constraints without the budget row (the same for every budget)."""
+
+    a: object
+    lower: object
+    upper: object
+    ub: object
+    nbytes: object
+    cost: object
+
+
+@functools.lru_cache(maxsize=16)
+def _milp_model(problem: Problem) -> _Model:
+    """Variables s_0..s_{n-1} (saved), r_0..r_{n-1} (recomputed); rows: a needed value is saved or
+    recomputed (s_i + r_i >= 1), a recomputed value's inputs are at hand (s_j + r_j - r_i >= 0)."""
+    import numpy as np
+    from scipy.sparse import csr_matrix
+
+    n = len(problem)
+    rows, cols, vals, lower = [], [], [], []
+    for i in range(n):
+        if problem.needed[i]:
+            k = len(lower)
+            rows += [k, k]
+            cols += [i, n + i]
+            vals += [1.0, 1.0]
+            lower.append(1.0)
+        for j in problem.inputs[i]:
+            k = len(lower)
+            rows += [k, k, k]
+            cols += [j, n + j, n + i]
+            vals += [1.0, 1.0, -1.0]
+            lower.append(0.0)
+    m = max(len(lower), 1)
+    a = csr_matrix((vals, (rows, cols)), shape=(m, 2 * n))
+    lower_arr = np.full(m, -np.inf)
+    lower_arr[: len(lower)] = lower
+    ub = np.ones(2 * n)
+    for i in range(n):
+        if not problem.saveable[i]:
+            ub[i] = 0
+        if not problem.recomputable[i]:
+            ub[n + i] = 0
+    return _Model(
+        a=a, lower=lower_arr, upper=np.full(m, np.inf), ub=ub,
+        nbytes=np.array(problem.nbytes, dtype=float), cost=np.array(problem.cost, dtype=float),
+    )
+
+
+# --- independent parts -------------------------------------------------------------------------
+
+# Note [Independent parts]
+# A value that is needed and cannot be recomputed is always saved, so a recompute that reads it
+# never reaches past it; and a value that cannot be recomputed never reads its inputs in the
+# backward. Cut there, a model's problem falls into independent parts: one per block when block
+# outputs are kept (Note [Block boundaries under a budget]), most of them alike. Each part's
+# Pareto front of (saved bytes, least cost) is found exactly (the chain DP or the MILP at
+# decreasing budgets), once per distinct part; the fronts of all parts are summed (every
+# combination, pruned to the undominated ones, which is exact) into the whole problem's front.
+# Values recomputed for free from graph inputs alone (views of parameters) tie no parts together.
+# One front answers every budget: a 32-block model's candidates take one front, not one MILP each.
+
+
+def parts(problem: Problem) -> list[list[int]]:
+    """The independent parts of a problem (Note [Independent parts]), each a sorted index list."""
+    n = len(problem)
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    free = _free(problem)
+    for i in range(n):
+        if not problem.recomputable[i]:
+            continue
+        for j in problem.inputs[i]:
+            if free[j] or (not problem.recomputable[j] and problem.needed[j] and problem.saveable[j]):
+                continue
+            parent[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(find(i), []).append(i)
+    return list(groups.values())
+
+
+def _free(problem: Problem) -> list[bool]:
+    """Values recomputed at no cost from nothing but graph inputs (a view of a parameter): reading
+    one ties no parts together."""
+    free = [False] * len(problem)
+    for i in range(len(problem)):
+        free[i] = problem.recomputable[i] and problem.cost[i] == 0 and all(free[j] for j in problem.inputs[i])
+    return free
+
+
+def _sub(problem: Problem, members: list[int]) -> Problem:
+    """The problem restricted to one part; inputs outside it are always at hand (saved)."""
+    local = {g: k for k, g in enumerate(members)}
+    return Problem(
+        names=tuple(problem.names[g] for g in members),
+        nbytes=tuple(problem.nbytes[g] for g in members),
+        cost=tuple(problem.cost[g] for g in members),
+        inputs=tuple(tuple(local[j] for j in problem.inputs[g] if j in local) for g in members),
+        needed=tuple(problem.needed[g] for g in members),
+        saveable=tuple(problem.saveable[g] for g in members),
+        recomputable=tuple(problem.recomputable[g] for g in members),
+    )
+
+
+def _shape(problem: Problem) -> tuple:
+    """What a part's front depends on (not its names): alike parts share one front."""
+    return (problem.nbytes, problem.cost, problem.inputs, problem.needed, problem.saveable, problem.recomputable)
+
+
+@dataclass(frozen=True)
+class Front:
+    """The Pareto front of a problem: points (saved bytes, least cost), bytes decreasing; `plan(k)`
+    gives point k's (saved, recomputed). `exact` is False when a MILP was cut short or a part had
+    too many points."""
+
+    nbytes: tuple[int, ...]
+    cost: tuple[float, ...]
+    plan: Callable[[int], tuple[frozenset[int], frozenset[int]]] = field(repr=False)
+    exact: bool = True
+
+    def solution(self, problem: Problem, budget: int, *, start: float | None = None) -> Solution:
+        """The cheapest point that fits `budget`; Infeasible names the smallest."""
+        start = time.perf_counter() if start is None else start
+        fits = [k for k, b in enumerate(self.nbytes) if b <= budget]
+        if not fits:
+            raise Infeasible(budget, self.nbytes[-1])
+        k = min(fits, key=lambda k: (self.cost[k], self.nbytes[k]))
+        saved, recomputed = self.plan(k)
+        return _solution(problem, set(saved), set(recomputed), "parts", self.exact, start)
+
+
+FRONT_MAX_POINTS = 256  # per part; a part with more keeps the first ones found (most bytes first)
+
+
+def _contract(problem: Problem) -> tuple[Problem, list[int]]:
+    """The problem without its free links: a value that cannot be saved and costs nothing (a view)
+    is always recomputed from its inputs, so its readers read those inputs instead, and its being
+    needed means they are. Same optimum, fewer variables. Returns the problem and, for each of its
+    values, the index of the value it stands for."""
+    n = len(problem)
+    free = [not problem.saveable[i] and problem.recomputable[i] and problem.cost[i] == 0 for i in range(n)]
+    if not any(free):
+        return problem, list(range(n))
+    keep = [i for i in range(n) if not free[i]]
+    local = {g: k for k, g in enumerate(keep)}
+    through: list[tuple[int, ...]] = [()] * n  # for a free value: the kept values it reads
+    needed = [problem.needed[i] for i in range(n)]
+    for i in range(n):
+        if free[i]:
+            through[i] = tuple(sorted({x for j in problem.inputs[i] for x in (through[j] if free[j] else (j,))}))
+    for i in reversed(range(n)):
+        if free[i] and needed[i]:
+            for j in problem.inputs[i]:
+                needed[j] = True
+    inputs = []
+    for i in keep:
+        ins = {x for j in problem.inputs[i] for x in (through[j] if free[j] else (j,))}
+        inputs.append(tuple(sorted(local[x] for x in ins)))
+    small = Problem(
+        names=tuple(problem.names[i] for i in keep), nbytes=tuple(problem.nbytes[i] for i in keep),
+        cost=tuple(problem.cost[i] for i in keep), inputs=tuple(inputs), needed=tuple(needed[i] for i in keep),
+        saveable=tuple(problem.saveable[i] for i in keep), recomputable=tuple(problem.recomputable[i] for i in keep),
+    )
+    return small, keep
+
+
+def _part_front(problem: Problem, time_limit: float) -> Front:
+    """A part's front, walking down from the plan that recomputes least: the cheapest plan under
+    budget b, then under (its saved bytes - 1), until none fits (on the contracted problem)."""
+    whole, (problem, keep) = problem, _contract(problem)
+    exact_solver = chain_dp if problem.is_chain() else (lambda p, b: milp(p, b, time_limit=time_limit))
+    nbytes, cost, plans, exact = [], [], [], True
+    budget = sum(problem.nbytes)
+    while len(nbytes) < FRONT_MAX_POINTS:
+        try:
+            sol = exact_solver(problem, budget)
+        except Infeasible:
+            break
+        exact = exact and sol.optimal
+        if nbytes and sol.cost <= cost[-1] + 1e-12 * max(abs(cost[-1]), 1e-30):
+            # As cheap with fewer bytes: the last point was not the least bytes for its cost.
+            nbytes.pop(), cost.pop(), plans.pop()
+        nbytes.append(sol.saved_bytes)
+        cost.append(sol.cost)
+        saved = frozenset(keep[i] for i in sol.saved)
+        plans.append((saved, frozenset(closure(whole, saved))))
+        if sol.saved_bytes == 0:
+            break
+        budget = sol.saved_bytes - 1
+    else:
+        exact = False
+    if not nbytes:
+        raise Infeasible(0, smallest_budget(problem))
+    return Front(tuple(nbytes), tuple(cost), plans.__getitem__, exact)
+
+
+def pareto_front(problem: Problem, *, time_limit: float = 1.5) -> Front:
+    """The whole problem's front from its parts' fronts (Note [Independent parts])."""
+    import numpy as np
+
+    members = parts(problem)
+    cache: dict[tuple, Front] = {}
+    fronts = []
+    for m in members:
+        sub = _sub(problem, m)
+        key = _shape(sub)
+        if key not in cache:
+            cache[key] = _part_front(sub, time_limit)
+        fronts.append(cache[key])
+    # Sum the fronts one part at a time, keeping for each point which point of each part made it.
+    total_b = np.zeros(1, dtype=np.int64)
+    total_c = np.zeros(1)
+    picks = np.zeros((1, 0), dtype=np.int32)
+    for front in fronts:
+        b = (total_b[:, None] + np.array(front.nbytes, dtype=np.int64)[None, :]).ravel()
+        c = (total_c[:, None] + np.array(front.cost)[None, :]).ravel()
+        left, right = np.divmod(np.arange(b.size), len(front.nbytes))
+        order = np.lexsort((b, c))  # cost ascending, then bytes
+        b, c, left, right = b[order], c[order], left[order], right[order]
+        keep = b < np.concatenate(([np.iinfo(np.int64).max], np.minimum.accumulate(b)[:-1]))
+        total_b, total_c = b[keep], c[keep]
+        picks = np.concatenate([picks[left[keep]], right[keep, None].astype(np.int32)], axis=1)
+    order = np.argsort(-total_b, kind="stable")
+    picks = picks[order]
+
+    def plan(k: int) -> tuple[frozenset[int], frozenset[int]]:
+        saved = set()
+        for m, front, p in zip(members, fronts, picks[k]):
+            saved.update(m[i] for i in front.plan(int(p))[0])
+        recomputed = closure(problem, saved)  # with the free values the parts read
+        assert recomputed is not None
+        return frozenset(saved), frozenset(recomputed)
+
+    return Front(
+        nbytes=tuple(int(x) for x in total_b[order]),
+        cost=tuple(float(x) for x in total_c[order]),
+        plan=plan,
+        exact=all(f.exact for f in fronts),
+    )
+
+
+def by_parts(problem: Problem, budget: int, *, time_limit: float = 1.5) -> Solution:
+    """Exact through the problem's independent parts (Note [Independent parts]); optimal=False when
+    a part's front could not be proven exact."""
+    start = time.perf_counter()
+    return pareto_front(problem, time_limit=time_limit).solution(problem, budget, start=start)
+
+
+SOLVERS: dict[str, Solver] = {"chain_dp": chain_dp, "milp": milp, "greedy": greedy, "parts": by_parts}
 
 
 def solve(problem: Problem, budget: int, *, solver: str = "auto", time_limit: float = 1.5) -> Solution:
-    """The best available plan: chain_dp for chains, else the MILP under `time_limit` (up to
+    """The best available plan: chain_dp for chains, else through independent parts when the
+    problem has several and their fronts are exact, else the MILP under `time_limit` (up to
     `MILP_MAX_VALUES` values), else greedy; the better of MILP and greedy when the MILP was cut
     short."""
     if solver == "chain_dp":
@@ -364,10 +604,16 @@ def solve(problem: Problem, budget: int, *, solver: str = "auto", time_limit: fl
         return greedy(problem, budget)
     if solver == "milp":
         return milp(problem, budget, time_limit=time_limit)
+    if solver == "parts":
+        return by_parts(problem, budget, time_limit=time_limit)
     if solver != "auto":
         raise ValueError(f"unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
     if problem.is_chain():
         return chain_dp(problem, budget)
+    if len(parts(problem)) > 1:
+        split = by_parts(problem, budget, time_limit=time_limit)
+        if split.optimal:
+            return split
     fast = greedy(problem, budget)
     if len(problem) > MILP_MAX_VALUES:
         return fast

@@ -56,6 +56,8 @@ def test_budget_peak_falls_with_the_budget_and_fits_it(gpt_runs):
         assert choice.peak <= choice.limit_bytes
         assert runs[b]["plan"].peak_bytes == choice.peak
     assert runs[1.0]["choice"].cost == 0.0  # the whole budget: nothing recomputed that costs
+    # The blocks are independent parts: every candidate came from one exact front.
+    assert {runs[b]["choice"].solver for b in BUDGETS} == {"parts"}
 
 
 def test_budget_recompute_cost_rises_as_the_budget_falls(gpt_runs):

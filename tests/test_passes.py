@@ -125,3 +125,37 @@ def test_memory_falls_as_policies_checkpoint_more(device):
     values = list(peaks.values())
     assert all(a > b for a, b in zip(values, values[1:])), peaks
     assert peaks["blocks:every=1,skip_first=0"] < 0.5 * peaks["none"], peaks
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+def test_joint_liveness_predicts_the_partitioned_peak(model_name):
+    """The budget policy compares candidates by a walk over the joint graph (Note [Peak from the
+    joint graph]); it must predict what the memory pass predicts on the partitioned graphs, for
+    every kind of plan (segments rebuild several blocks at once; SDPA recompute goes through
+    torch's RNG functionalization)."""
+    from ckpt_fx.models import build
+    from passes.memory import JointLiveness
+    from passes.select import RECOMPUTE
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (2, 64))
+    for policy in ["none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "segments:3", "budget:0.3"]:
+        torch._dynamo.reset()
+        model = build(model_name, layers=4, dim=64, heads=2)
+        b = ckpt_fx.backend(policy=policy, strict=True)
+        calls = []
+        inner = b.partition
+
+        def partition(joint, joint_inputs, **kwargs):
+            calls.append((joint, kwargs))
+            return inner(joint, joint_inputs, **kwargs)
+
+        b.partition = partition
+        torch.compile(model, backend=b)(ids, ids).backward()
+        assert len(calls) == len(b.plans) >= 1
+        for (joint, kwargs), plan in zip(calls, b.plans):
+            liveness = JointLiveness(joint, num_fwd_outputs=kwargs["num_fwd_outputs"],
+                                     static_input_indices=kwargs.get("static_lifetime_input_indices"))
+            recomputed = {n.name for n in forward_nodes(joint.graph) if n.meta.get("recompute") in RECOMPUTE}
+            estimate = liveness.estimate(recomputed)
+            assert (estimate.peak_bytes, estimate.gradient_bytes) == (plan.peak_bytes, plan.gradient_bytes), policy

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from passes.solve import Infeasible, Problem, chain_dp, check, greedy, milp, solve
+from passes.solve import Infeasible, Problem, by_parts, chain_dp, check, greedy, milp, parts, solve
 
 
 def chain(nbytes, cost, needed, *, saveable=(), recomputable=()) -> Problem:
@@ -45,7 +45,7 @@ CASES = [
     ("diamond, nothing", DIAMOND, 0, 8.0),
 ]
 
-SOLVERS = {"chain_dp": chain_dp, "milp": milp, "greedy": greedy, "auto": solve}
+SOLVERS = {"chain_dp": chain_dp, "milp": milp, "greedy": greedy, "parts": by_parts, "auto": solve}
 
 
 @pytest.mark.parametrize("solver", SOLVERS)
@@ -133,3 +133,63 @@ def test_greedy_is_valid_and_never_beats_the_milp(case):
         assert fast[1] >= exact[1] - 1e-9
     else:
         assert fast == exact
+
+
+@st.composite
+def split_graphs(draw):
+    """Random graphs some of whose values are needed and never recomputed (block outputs): they
+    fall into independent parts, sometimes alike."""
+    problem, budget = draw(graphs())
+    n = len(problem)
+    cuts = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    copies = draw(st.integers(1, 3))
+    # Repeat the graph `copies` times, each copy reading the previous copy's last value.
+    names, nbytes, cost, inputs, needed, recomputable = [], [], [], [], [], []
+    for c in range(copies):
+        for i in range(n):
+            names.append(f"{c}.{i}")
+            nbytes.append(problem.nbytes[i])
+            cost.append(problem.cost[i])
+            ins = tuple(c * n + j for j in problem.inputs[i]) or (((c * n - 1),) if c else ())
+            inputs.append(ins)
+            needed.append(problem.needed[i] or cuts[i])
+            recomputable.append(not cuts[i])
+    big = Problem(names=tuple(names), nbytes=tuple(nbytes), cost=tuple(cost), inputs=tuple(inputs),
+                  needed=tuple(needed), recomputable=tuple(recomputable))
+    return big, draw(st.integers(0, sum(nbytes)))
+
+
+@given(split_graphs())
+def test_parts_agree_with_the_milp(case):
+    problem, budget = case
+    split, exact = _outcome(by_parts, problem, budget), _outcome(milp, problem, budget)
+    assert split[0] == exact[0]
+    assert split[1] == pytest.approx(exact[1])
+
+
+def test_alike_blocks_are_solved_once():
+    """A chain of 32 alike blocks, outputs kept: 32 parts (plus the kept outputs), one front each
+    shape; the plan equals the MILP's."""
+    block = [(16, 1.0, False), (64, 0.5, True), (64, 2.0, True), (16, 0.1, True)]
+    names, nbytes, cost, inputs, needed, recomputable = [], [], [], [], [], []
+    for b in range(32):
+        for k, (nb, c, need) in enumerate(block):
+            i = len(names)
+            names.append(f"b{b}.{k}")
+            nbytes.append(nb)
+            cost.append(c)
+            inputs.append((i - 1,) if i else ())
+            last = k == len(block) - 1
+            needed.append(need or last)
+            recomputable.append(not last)
+            if k == 2:
+                inputs[-1] = (i - 2, i - 1)  # not a chain
+    problem = Problem(names=tuple(names), nbytes=tuple(nbytes), cost=tuple(cost), inputs=tuple(inputs),
+                      needed=tuple(needed), recomputable=tuple(recomputable))
+    assert len(parts(problem)) == 64
+    budget = sum(nbytes) // 3
+    split, exact = by_parts(problem, budget), milp(problem, budget)
+    assert split.optimal and split.solver == "parts"
+    assert split.cost == pytest.approx(exact.cost)
+    check(problem, split.saved, split.recomputed)
+    assert split.saved_bytes <= budget
