@@ -97,9 +97,8 @@ def bench(args: argparse.Namespace) -> int:
 def _workload(args: argparse.Namespace):
     from ckpt_fx import bench as b
 
-    if args.model == "gpt2":
-        return b.gpt2_workload(layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch, seq=args.seq)
-    return b.builtin_workload(args.model, layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch, seq=args.seq)
+    return b.workload(args.model, layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch, seq=args.seq,
+                      overrides=b.parse_overrides(args.config))
 
 
 def explain(args: argparse.Namespace) -> int:
@@ -119,8 +118,12 @@ def explain(args: argparse.Namespace) -> int:
 
 
 def _model_options(p: argparse.ArgumentParser, *, model: str, layers: int) -> None:
-    p.add_argument("--model", choices=("gpt2", "llama", "gpt"), default=model,
-                   help="gpt2: transformers' GPT2LMHeadModel; llama, gpt: built-in models")
+    p.add_argument("--model", default=model,
+                   help="gpt2 (transformers' GPT2LMHeadModel), llama or gpt (built-in), hf:<ConfigClass> "
+                        "(any transformers causal-LM config, e.g. hf:LlamaConfig), or module:function "
+                        "(a factory returning (model, args) or (model, args, kwargs))")
+    p.add_argument("--config", help="config overrides, e.g. 'num_key_value_heads=2,rope_theta=1e4' "
+                                    "(built-in and hf: models)")
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

@@ -89,6 +89,124 @@ def builtin_workload(name: str = "llama", *, batch: int = 8, seq: int = 256, **c
     return Workload(name=f"built-in {name} {config}, batch {batch}x{seq}", model=model, args=(ids, ids))
 
 
+MODEL_FORMS = (
+    "gpt2 (transformers' GPT2LMHeadModel), llama or gpt (built-in), hf:<ConfigClass> (any transformers "
+    "causal-LM config, e.g. hf:LlamaConfig), or <module>:<function> (a factory returning a Workload, "
+    "(model, args) or (model, args, kwargs))"
+)
+
+
+def hf_workload(config_class: str, *, layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 1000,
+                batch: int = 8, seq: int = 256, overrides: dict[str, Any] | None = None) -> Workload:
+    """A transformers causal LM built from a config class by name (random weights, train mode):
+    layers, width and heads set through the config's standard names (num_hidden_layers,
+    hidden_size, num_attention_heads), a 4x MLP where the config has intermediate_size, then
+    `overrides` (any config attribute) on top. Fed random token ids as input and labels."""
+    import transformers
+
+    cls = getattr(transformers, config_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
+        raise ValueError(f"model 'hf:{config_class}': transformers has no config class {config_class!r} "
+                         "(e.g. hf:LlamaConfig, hf:GPT2Config, hf:MistralConfig)")
+    torch.manual_seed(0)
+    config = cls()
+    settings: dict[str, Any] = {"num_hidden_layers": layers, "hidden_size": dim, "num_attention_heads": heads,
+                                "vocab_size": vocab}
+    if hasattr(config, "intermediate_size"):
+        settings["intermediate_size"] = 4 * dim
+    if hasattr(config, "num_key_value_heads"):
+        settings["num_key_value_heads"] = heads
+    if getattr(config, "max_position_embeddings", seq) < seq:
+        settings["max_position_embeddings"] = seq
+    settings.update(overrides or {})
+    for key, value in settings.items():
+        if key in (overrides or {}) and not hasattr(config, key):
+            raise ValueError(f"model 'hf:{config_class}': the config has no attribute {key!r}")
+        setattr(config, key, value)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(config, key, None) is not None and getattr(config, key) >= config.vocab_size:
+            setattr(config, key, 0)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config).train()
+    except ValueError as error:
+        raise ValueError(f"model 'hf:{config_class}': not a causal LM transformers can build: {error}") from None
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    shown = ", ".join(f"{k}={v}" for k, v in (overrides or {}).items())
+    return Workload(
+        name=f"{type(model).__name__} {layers}x{dim}{f' ({shown})' if shown else ''}, batch {batch}x{seq}",
+        model=model,
+        kwargs={"input_ids": ids, "labels": ids, "use_cache": False},
+    )
+
+
+def factory_workload(spec: str) -> Workload:
+    """The workload a `module:function` factory returns: a Workload, (model, args) or
+    (model, args, kwargs); the model is put in train mode."""
+    import importlib
+
+    module_name, _, function_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"model {spec!r}: cannot import module {module_name!r} ({error})") from None
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise ValueError(f"model {spec!r}: module {module_name!r} has no function {function_name!r}")
+    torch.manual_seed(0)
+    made = factory()
+    if isinstance(made, Workload):
+        made.model.train()
+        return made
+    if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], torch.nn.Module):
+        model, args, kwargs = (*made, {}) if len(made) == 2 else made
+        args = args if isinstance(args, tuple) else (args,)
+        return Workload(name=f"{spec} ({type(model).__name__})", model=model.train(), args=args, kwargs=dict(kwargs))
+    raise ValueError(f"model {spec!r}: the factory returned {type(made).__name__}; "
+                     "expected a Workload, (model, args) or (model, args, kwargs)")
+
+
+def workload(model: str, *, layers: int = 12, dim: int = 256, heads: int = 4, batch: int = 8, seq: int = 256,
+             overrides: dict[str, Any] | None = None) -> Workload:
+    """A workload by name (MODEL_FORMS); `overrides` set config attributes (built-in and hf: models)."""
+    if model == "gpt2" and not overrides:
+        return gpt2_workload(layers=layers, dim=dim, heads=heads, batch=batch, seq=seq)
+    if model == "gpt2":
+        return hf_workload("GPT2Config", layers=layers, dim=dim, heads=heads, batch=batch, seq=seq, overrides=overrides)
+    if model in ("llama", "gpt"):
+        from ckpt_fx.models import ModelConfig
+
+        valid = set(ModelConfig.__dataclass_fields__) - {"layers", "dim", "heads"}
+        unknown = sorted(set(overrides or {}) - valid)
+        if unknown:
+            raise ValueError(f"model {model!r}: unknown config key(s) {unknown}; valid: {', '.join(sorted(valid))}")
+        return builtin_workload(model, layers=layers, dim=dim, heads=heads, batch=batch, seq=seq, **(overrides or {}))
+    prefix, sep, rest = model.partition(":")
+    if sep and prefix == "hf":
+        return hf_workload(rest, layers=layers, dim=dim, heads=heads, batch=batch, seq=seq, overrides=overrides)
+    if sep and prefix and rest:
+        if overrides:
+            raise ValueError(f"model {model!r}: --config applies to built-in and hf: models, not to a factory")
+        return factory_workload(model)
+    raise ValueError(f"unknown model {model!r}; valid: {MODEL_FORMS}")
+
+
+def parse_overrides(text: str | None) -> dict[str, Any]:
+    """'key=value,key=value' to a dict; values are Python literals where they parse (4, 0.1, True,
+    'silu'), else strings."""
+    import ast
+
+    out: dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f"--config: expected key=value, got {item!r}")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
 def _block_stack(model: torch.nn.Module) -> torch.nn.ModuleList:
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
     if not lists:

@@ -51,3 +51,43 @@ def test_plot_draws_the_pareto_front(rows, tmp_path):
     path = tmp_path / "bench.png"
     bench.plot(list(rows.values()), str(path), title="tiny")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def tiny_cnn():
+    """A factory for `--model tests.test_bench:tiny_cnn`: (model, args)."""
+    import torch
+
+    layers = [torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.ReLU()) for _ in range(4)]
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Sequential(*layers))
+    return model, (torch.randn(2, 1, 16, 16),)
+
+
+def test_models_by_config_class_and_by_factory(capsys):
+    """`--model hf:<ConfigClass>` with `--config` overrides, and `--model module:function`, run
+    through the command line; a bad spec is one clear line."""
+    from ckpt_fx.__main__ import main
+
+    assert main(["bench", "--model", "hf:MistralConfig", "--config", "num_key_value_heads=1,rms_norm_eps=1e-5",
+                 "--layers", "2", "--dim", "32", "--heads", "2", "--batch", "1", "--seq", "16", "--steps", "1",
+                 "--setups", "eager;ckpt-eager:blocks:every=1,skip_first=0"]) == 0
+    out = capsys.readouterr().out
+    assert "MistralForCausalLM 2x32 (num_key_value_heads=1, rms_norm_eps=1e-05)" in out
+    assert "| ckpt-eager:blocks:every=1,skip_first=0 |" in out
+
+    w = bench.workload("tests.test_bench:tiny_cnn")
+    rows = bench.run(w, ("eager", "ckpt-eager:graph"), steps=1)
+    assert all(r.error is None for r in rows) and rows[1].grad_rel_diff < 1e-5
+
+    for spec, overrides, fragment in [
+        ("hf:NoSuchConfig", None, "no config class 'NoSuchConfig'"),
+        ("hf:LlamaConfig", {"no_such_key": 1}, "has no attribute 'no_such_key'"),
+        ("llama", {"no_such_key": 1}, r"unknown config key\(s\) \['no_such_key'\]; valid: dropout"),
+        ("no_such_module:f", None, "cannot import module 'no_such_module'"),
+        ("tests.test_bench:no_such_function", None, "has no function 'no_such_function'"),
+        ("resnet", None, "unknown model 'resnet'; valid: gpt2"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            bench.workload(spec, layers=1, dim=32, heads=2, batch=1, seq=8, overrides=overrides)
+    with pytest.raises(ValueError, match="expected key=value, got 'layers'"):
+        bench.parse_overrides("layers")
+    assert bench.parse_overrides("a=1, b=0.5,c=silu,d=True") == {"a": 1, "b": 0.5, "c": "silu", "d": True}
