@@ -94,6 +94,24 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def solvers(args: argparse.Namespace) -> int:
+    from ckpt_fx import bench as b
+
+    try:
+        fractions = tuple(float(x) for x in args.budgets.split(","))
+    except ValueError:
+        raise ValueError(f"--budgets: expected numbers like '0.5,0.3', got {args.budgets!r}") from None
+    names = tuple(s.strip() for s in args.solvers.split(","))
+    workload = _workload(args)
+    _progress(f"tracing {workload.name}")
+    problem, nodes = b.joint_problem(workload)
+    _progress(f"{nodes} joint-graph nodes, {len(problem)} values; solving")
+    rows = b.solver_rows(problem, fractions, solvers=names, time_limit=args.time_limit)
+    print(f"\n{workload.name}: {nodes} joint-graph nodes, {len(problem)} values; torch {torch.__version__}\n")
+    print(b.solver_markdown(rows))
+    return 0
+
+
 def _workload(args: argparse.Namespace):
     from ckpt_fx import bench as b
 
@@ -160,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--plot", help="also draw peak against step time (Pareto front) into this PNG (matplotlib)")
     bn.add_argument("--json", help="also write the rows to this file")
     bn.set_defaults(run=bench)
+    sv = sub.add_parser("solvers", help="the budget solvers side by side on a model's recompute problem")
+    _model_options(sv, model="gpt2", layers=12)
+    sv.add_argument("--budgets", default="0.7,0.5,0.3,0.15",
+                    help="','-separated fractions of the no-recompute saved bytes")
+    sv.add_argument("--solvers", default="milp,greedy,parts,auto")
+    sv.add_argument("--time-limit", type=float, default=30.0, help="seconds per MILP")
+    sv.set_defaults(run=solvers)
     args = parser.parse_args(argv)
     for name in ("layers", "dim", "heads", "batch", "seq", "steps"):
         if getattr(args, name, 1) < 1:

@@ -95,6 +95,7 @@ def build_problem(
         recomputable.append(node.name not in hard_rules and not (region is not None and region.kind == "embedding"))
     for i in _boundaries(nodes, index, saveable):
         recomputable[i] = False
+        needed[i] = True  # always saved: the blocks are then independent parts
     problem = Problem(
         names=tuple(names), nbytes=tuple(nbytes), cost=tuple(costs), inputs=tuple(inputs),
         needed=tuple(needed), saveable=tuple(saveable), recomputable=tuple(recomputable),
@@ -174,15 +175,15 @@ def candidate_policies(
 ) -> Iterator[Callable]:
     """Per-node policies for the distinct plans at the grid's saved-bytes fractions, then the plan
     that saves least, most saved first (so least recompute first); made lazily."""
-    from passes.solve import Infeasible, parts, pareto_front, smallest_budget
+    from passes.solve import Infeasible, pareto_front, parts_pay_off, smallest_budget
 
     graph = build_problem(gm, hard_rules=hard_rules)
     problem = graph.problem
     base = baseline_bytes(problem)
-    # A problem in several parts (blocks) has its whole front found once; every candidate is a
-    # point on it (Note [Independent parts]).
+    # A problem in many alike parts (a stack of blocks) has its whole front found once; every
+    # candidate is a point on it (Note [Independent parts]).
     front = None
-    if solver in ("auto", "parts") and len(parts(problem)) > 1:
+    if solver == "parts" or (solver == "auto" and parts_pay_off(problem)):
         front = pareto_front(problem, time_limit=time_limit)
         if not front.exact and solver == "auto":
             front = None

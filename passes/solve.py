@@ -308,8 +308,9 @@ def _milp(problem: Problem, *, budget: int | None, time_limit: float) -> Solutio
         objective = np.concatenate([nbytes / scale_b, 1e-6 * cost / scale_c])
         a, lower, upper = model.a, model.lower, model.upper
     else:
-        # Cost first; bytes break ties (weighted below the smallest cost difference that matters).
-        objective = np.concatenate([1e-6 * nbytes / scale_b / n, cost / scale_c])
+        # Cost first; bytes break ties (weighted below the smallest cost difference that matters),
+        # scaled so that a tie-break step stays above HiGHS's absolute gap tolerance (1e-6).
+        objective = 1e4 * np.concatenate([1e-3 * nbytes / scale_b / n, cost / scale_c])
         row = np.concatenate([nbytes, np.zeros(n)])[None, :]
         a = vstack([model.a, row], format="csr")
         lower = np.append(model.lower, -np.inf)
@@ -583,6 +584,21 @@ def pareto_front(problem: Problem, *, time_limit: float = 1.5) -> Front:
     )
 
 
+PART_MAX_VALUES = 300  # a larger part has too many front points to walk one MILP at a time
+
+
+def parts_pay_off(problem: Problem) -> bool:
+    """Whether solving through parts beats solving the whole: the parts are small and mostly
+    alike, so their distinct ones hold a small share of the values (a stack of blocks)."""
+    members = parts(problem)
+    if len(members) < 2 or max(len(m) for m in members) > PART_MAX_VALUES:
+        return False
+    distinct: dict[tuple, int] = {}
+    for m in members:
+        distinct.setdefault(_shape(_sub(problem, m)), len(m))
+    return 4 * sum(distinct.values()) <= len(problem)
+
+
 def by_parts(problem: Problem, budget: int, *, time_limit: float = 1.5) -> Solution:
     """Exact through the problem's independent parts (Note [Independent parts]); optimal=False when
     a part's front could not be proven exact."""
@@ -594,8 +610,8 @@ SOLVERS: dict[str, Solver] = {"chain_dp": chain_dp, "milp": milp, "greedy": gree
 
 
 def solve(problem: Problem, budget: int, *, solver: str = "auto", time_limit: float = 1.5) -> Solution:
-    """The best available plan: chain_dp for chains, else through independent parts when the
-    problem has several and their fronts are exact, else the MILP under `time_limit` (up to
+    """The best available plan: chain_dp for chains, else through independent parts when that
+    pays off (parts_pay_off) and their fronts are exact, else the MILP under `time_limit` (up to
     `MILP_MAX_VALUES` values), else greedy; the better of MILP and greedy when the MILP was cut
     short."""
     if solver == "chain_dp":
@@ -610,7 +626,7 @@ def solve(problem: Problem, budget: int, *, solver: str = "auto", time_limit: fl
         raise ValueError(f"unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
     if problem.is_chain():
         return chain_dp(problem, budget)
-    if len(parts(problem)) > 1:
+    if parts_pay_off(problem):
         split = by_parts(problem, budget, time_limit=time_limit)
         if split.optimal:
             return split

@@ -148,8 +148,9 @@ def test_measured_peak_no_higher_than_without_checkpointing(spec, policy, batch,
     assert peak(policy) <= peak("none")
 
 
-@pytest.mark.xfail(strict=True, reason="known: a segment starting with a frozen block rebuilds it for the next "
-                   "block's input, holding one activation more than saving that input (found by the large profile)")
+@pytest.mark.xfail(strict=True, reason="known (found by the large profile): on this tiny graph (60 KB) one segment "
+                   "over both blocks measures 1 KB above no checkpointing, while the memory pass predicts it 14 KB "
+                   "below; the prediction misses ~27 KB of this plan's measured peak, not yet explained")
 def test_regression_segment_over_a_frozen_block_peak():
     spec = Spec(depth=2, width=8, heads=1, embedding=False, attention="manual", mlp=False, norm=True, residual=False,
                 conv=True, frozen=True)
