@@ -497,6 +497,6 @@ def solver_markdown(rows: list[SolverRow]) -> str:
         if r.error is not None:
             out.append(f"| {r.fraction} | {r.solver} | infeasible | | | {r.seconds:.2f} |")
             continue
-        gap = f"{100 * r.gap:.2f}%" if r.gap is not None else "-"
+        gap = f"{max(100 * r.gap, 0.0):.2f}%" if r.gap is not None else "-"  # no "-0.00%" from rounding
         out.append(f"| {r.fraction} | {r.solver} | {r.cost_us:.1f} | {gap} | {'yes' if r.optimal else 'no'} | {r.seconds:.2f} |")
     return "\n".join(out)

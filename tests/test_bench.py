@@ -91,3 +91,27 @@ def test_models_by_config_class_and_by_factory(capsys):
     with pytest.raises(ValueError, match="expected key=value, got 'layers'"):
         bench.parse_overrides("layers")
     assert bench.parse_overrides("a=1, b=0.5,c=silu,d=True") == {"a": 1, "b": 0.5, "c": "silu", "d": True}
+
+
+def test_solvers_table_compares_each_solver_to_the_proven_optimum(capsys):
+    """`python -m ckpt_fx solvers`: every solver at every budget on a model's recompute problem;
+    exact solvers show no gap, greedy never beats the optimum."""
+    from ckpt_fx.__main__ import main
+
+    w = bench.workload("llama", layers=4, dim=32, heads=2, batch=1, seq=16)
+    problem, nodes = bench.joint_problem(w)
+    assert nodes > len(problem) > 100
+    rows = bench.solver_rows(problem, (0.5, 0.2))
+    assert {(r.solver, r.fraction) for r in rows} == {(s, f) for s in ("milp", "greedy", "parts", "auto") for f in (0.5, 0.2)}
+    for r in rows:
+        assert r.error is None and r.gap is not None, r
+        if r.solver == "greedy":
+            assert r.gap >= -1e-9
+        else:
+            assert r.gap == pytest.approx(0, abs=1e-9) and r.optimal, r
+    assert main(["solvers", "--model", "llama", "--layers", "2", "--dim", "32", "--heads", "2", "--batch", "1",
+                 "--seq", "16", "--budgets", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "joint-graph nodes" in out and "| 0.5 | greedy |" in out
+    with pytest.raises(ValueError, match=r"unknown solver\(s\) \['fast'\]"):
+        bench.solver_rows(problem, (0.5,), solvers=("fast",))
