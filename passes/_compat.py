@@ -64,6 +64,32 @@ def size_hint(value: int | torch.SymInt, fallback: int = 1) -> int:
     return int(hint) if hint is not None else fallback
 
 
+def symbols_of(value: int | torch.SymInt) -> dict[str, int]:
+    """{symbol name: hint} of the symbols in a possibly symbolic size ({} for an int)."""
+    node = getattr(value, "node", None)
+    expr, env = getattr(node, "expr", None), getattr(node, "shape_env", None)
+    if expr is None or env is None:
+        return {}
+    values = getattr(env, "backed_var_to_val", None)  # torch >= 2.13; var_to_val before
+    values = values if values is not None else env.var_to_val
+    return {str(sym): int(values[sym]) for sym in expr.free_symbols if sym in values}
+
+
+def size_at(value: int | torch.SymInt, sizes: dict[str, int]) -> int:
+    """A possibly symbolic size with some symbols set (`sizes`, by name) and the rest at their hints."""
+    if isinstance(value, int) or not sizes:
+        return size_hint(value)
+    node = getattr(value, "node", None)
+    expr = getattr(node, "expr", None)
+    if expr is None:
+        return size_hint(value)
+    hints = symbols_of(value)
+    try:
+        return int(expr.subs({sym: sizes.get(str(sym), hints.get(str(sym))) for sym in expr.free_symbols}))
+    except (TypeError, ValueError):  # a symbol without a hint: the size's own hint
+        return size_hint(value)
+
+
 def is_impure_not_random(node: torch.fx.Node) -> bool:
     """fx's side-effect check, random ops not counted (select judges those by their arguments)."""
     try:

@@ -7,19 +7,20 @@ import operator
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from passes._compat import OpOverload, pytree, size_hint
+from passes._compat import OpOverload, pytree, size_at, size_hint
 
 BYTES_KEY = "ckpt_fx.bytes"
 FLOPS_KEY = "ckpt_fx.flops"
 
 
-def tensor_bytes(value: object) -> int:
-    """Bytes a tensor value occupies (0 for non-tensors); symbolic sizes use their hints."""
+def tensor_bytes(value: object, sizes: dict[str, int] | None = None) -> int:
+    """Bytes a tensor value occupies (0 for non-tensors); symbolic sizes use their hints, or the
+    values `sizes` gives their symbols."""
     if not isinstance(value, torch.Tensor):
         return 0
     numel = 1
     for dim in value.shape:
-        numel *= size_hint(dim)
+        numel *= size_at(dim, sizes) if sizes else size_hint(dim)
     return numel * value.dtype.itemsize
 
 

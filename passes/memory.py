@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from passes._compat import is_primal, is_tangent, size_hint
+from passes._compat import is_primal, is_tangent, size_at, size_hint, symbols_of
 from passes.costs import is_view, node_flops, tensor_bytes
 from passes.regions import PATH_KEY, REGION_KEY
 
@@ -71,11 +74,27 @@ class Plan:
     """Nodes no policy may recompute, with why (random, mutation, ...)."""
     top_level_units: bool = False
     fallback_reason: str | None = None
+    symbols: dict[str, int] = field(default_factory=dict)
+    """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
+    were made with. `at(...)` gives the plan's figures at other sizes."""
+    _at: Callable[..., Plan] | None = field(default=None, compare=False, repr=False)
 
     @property
     def peak_bytes(self) -> int:
         """Predicted peak of a training step (Note [What the predicted peak counts])."""
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    def at(self, **sizes: int) -> Plan:
+        """The same plan's figures (saved bytes, peaks) with symbolic sizes set, e.g.
+        `plan.at(s1=2048)`; symbols not given keep their hints. One compiled graph serves every
+        length under dynamic shapes; this predicts what it needs at each."""
+        unknown = sorted(set(sizes) - set(self.symbols))
+        if unknown:
+            valid = ", ".join(f"{k} (now {v})" for k, v in sorted(self.symbols.items())) or "none: the sizes are static"
+            raise ValueError(f"Plan.at: unknown size symbol(s) {unknown}; this plan's symbols: {valid}")
+        if not sizes or self._at is None:
+            return self
+        return self._at(sizes={k: int(v) for k, v in sizes.items()})
 
 
 def _walk(
@@ -84,6 +103,7 @@ def _walk(
     live: dict[object, int],
     key_of: dict[torch.fx.Node, object],
     pinned: set[object],
+    sizes: dict[str, int] | None = None,
 ) -> int:
     """Simulate one graph: allocate each non-view output, free a storage after its last use.
 
@@ -104,7 +124,7 @@ def _walk(
     peak = total
     for i, node in enumerate(nodes):
         if node.op == "call_function" and not is_view(node) and key_of[node] is node:
-            nbytes = tensor_bytes(node.meta.get("val"))
+            nbytes = tensor_bytes(node.meta.get("val"), sizes)
             live[node] = nbytes
             total += nbytes
             peak = max(peak, total)
@@ -127,6 +147,7 @@ def memory_pass(
     top_level_units: bool = False,
     block_paths: tuple[str, ...] = (),
     static_input_indices: list[int] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> Plan:
     """Walk the forward then the backward (Note [What the predicted peak counts]); return the Plan.
 
@@ -136,10 +157,15 @@ def memory_pass(
     """
     key_of: dict[torch.fx.Node, object] = {}
     inputs = {n for n in fw.graph.nodes if n.op == "placeholder"}
+    symbols: dict[str, int] = {}
+    for n in inputs:
+        value = n.meta.get("val")
+        for dim in value.shape if isinstance(value, torch.Tensor) else (value,) if isinstance(value, torch.SymInt) else ():
+            symbols.update(symbols_of(dim))
     for n in inputs:
         key_of[n] = ("input", n.name)
     fw_live: dict[object, int] = {}
-    fw_peak = _walk(fw.graph, live=fw_live, key_of=key_of, pinned=set())
+    fw_peak = _walk(fw.graph, live=fw_live, key_of=key_of, pinned=set(), sizes=sizes)
 
     out_node = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     outputs = [a for a in out_node.args[0] if isinstance(a, torch.fx.Node)]
@@ -158,9 +184,9 @@ def memory_pass(
                 module_path=node.meta.get(PATH_KEY, ""),
                 block=region.block.path if region is not None and region.block is not None else None,
                 op=str(node.target) if node.op == "call_function" else node.op,
-                shape=tuple(size_hint(d) for d in value.shape),
+                shape=tuple(size_at(d, sizes) if sizes else size_hint(d) for d in value.shape),
                 dtype=value.dtype,
-                nbytes=tensor_bytes(value),
+                nbytes=tensor_bytes(value, sizes),
                 is_input=isinstance(key_of[node], tuple),
             )
         )
@@ -178,14 +204,14 @@ def memory_pass(
             bw_key[node] = key_of[by_name[node.name]]
         elif is_tangent(node) or not is_primal(node):
             bw_key[node] = node
-            bw_live[node] = tensor_bytes(node.meta.get("val"))
+            bw_live[node] = tensor_bytes(node.meta.get("val"), sizes)
         else:
             bw_key[node] = ("input", node.name)
     pinned = {key_of[n] for n in user_outputs}
     for key in list(bw_live):
         if key not in pinned and key not in bw_key.values():
             bw_live.pop(key)  # forward values nobody holds any more
-    bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned)
+    bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned, sizes=sizes)
     bw_out = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
     # Gradients of parameters (static inputs) outlive the step; gradients of activations that
     # came from an earlier graph become that graph's incoming gradients and are counted there.
@@ -210,7 +236,7 @@ def memory_pass(
             entry = per_block.setdefault(region.block.path, [0, 0, 0, 0])
             entry[1] += 1
             entry[2] += f
-            entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"))
+            entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"), sizes)
     return Plan(
         policy=policy,
         saved=tuple(saved),
@@ -227,8 +253,23 @@ def memory_pass(
         gradient_bytes=sum(grads.values()),
         hard_rules=dict(hard_rules or {}),
         top_level_units=top_level_units,
+        symbols=symbols,
+        _at=functools.partial(
+            memory_pass, _snapshot(fw), _snapshot(bw), num_fwd_outputs=num_fwd_outputs, policy=policy, forward_names=forward_names,
+            hard_rules=hard_rules, top_level_units=top_level_units, block_paths=block_paths,
+            static_input_indices=static_input_indices,
+        ) if symbols else None,
     )
 
+
+
+def _snapshot(gm: torch.fx.GraphModule) -> types.SimpleNamespace:
+    """A copy of a graph's nodes (names and meta kept) that later passes of torch cannot change,
+    for Plan.at to walk again."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return types.SimpleNamespace(graph=graph)
 
 
 def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:

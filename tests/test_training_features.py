@@ -63,6 +63,7 @@ def test_dynamic_sequence_length_compiles_once_and_keeps_the_saving():
     fn = torch.compile(m, backend=b, dynamic=True)
     none_model = copy.deepcopy(model)
     none = torch.compile(none_model, backend=ckpt_fx.backend(policy="none"), dynamic=True)
+    measured = {}
     for seq in (16, 24, 40):
         x = inputs(SPEC, 4, seq)
         eager = copy.deepcopy(model)
@@ -80,9 +81,19 @@ def test_dynamic_sequence_length_compiles_once_and_keeps_the_saving():
         step(none)
         for p in list(m.parameters()) + list(none_model.parameters()):
             p.grad = None
-        assert ckpt_fx.peak_bytes(lambda: step(fn)) < ckpt_fx.peak_bytes(lambda: step(none)), seq
+        measured[seq] = ckpt_fx.peak_bytes(lambda: step(fn))
+        assert measured[seq] < ckpt_fx.peak_bytes(lambda: step(none)), seq
     assert len(b.plans) == 1  # one graph for every length: no recompile per length
-    assert b.plans[0].peak_bytes > 0  # estimated from the symbolic sizes' hints
+    plan = b.plans[0]
+    # The plan's figures at each length, from its symbolic sizes: within 15% of the measured peak.
+    (length,) = [name for name, hint in plan.symbols.items() if hint == 16]
+    assert plan.at(**{length: 16}).peak_bytes == plan.peak_bytes
+    predicted = {seq: plan.at(**{length: seq}).peak_bytes for seq in measured}
+    assert predicted[16] < predicted[24] < predicted[40]
+    for seq in measured:
+        assert abs(predicted[seq] - measured[seq]) <= 0.15 * measured[seq], (seq, predicted, measured)
+    with pytest.raises(ValueError, match=rf"unknown size symbol\(s\) \['seq'\]; this plan's symbols: .*{length} \(now 16\)"):
+        plan.at(seq=32)
 
 
 def test_retain_graph_and_a_second_backward():
