@@ -19,6 +19,7 @@ block, and the blocks are independent parts for the solver (Note [Independent pa
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -184,14 +185,17 @@ def candidate_policies(
     # candidate is a point on it (Note [Independent parts]).
     front = None
     if solver == "parts" or (solver == "auto" and parts_pay_off(problem)):
-        front = pareto_front(problem, time_limit=time_limit)
+        # Under auto, a front not found within a few MILP time limits gives way to one MILP per
+        # candidate (a part with too many front points).
+        front = pareto_front(problem, time_limit=time_limit, seconds=math.inf if solver == "parts" else 2 * time_limit)
         if not front.exact and solver == "auto":
             front = None
 
     def plan(b: int | None) -> Solution:
         if front is not None:
             return front.solution(problem, front.nbytes[-1] if b is None else b)
-        return solve(problem, smallest_budget(problem) if b is None else b, solver=solver, time_limit=time_limit)
+        return solve(problem, smallest_budget(problem) if b is None else b, solver=solver, time_limit=time_limit,
+                     try_parts=False)  # parts were tried above
 
     seen = set()
     for g in (*grid, None):

@@ -509,14 +509,14 @@ def _contract(problem: Problem) -> tuple[Problem, list[int]]:
     return small, keep
 
 
-def _part_front(problem: Problem, time_limit: float) -> Front:
+def _part_front(problem: Problem, time_limit: float, deadline: float = math.inf) -> Front:
     """A part's front, walking down from the plan that recomputes least: the cheapest plan under
     budget b, then under (its saved bytes - 1), until none fits (on the contracted problem)."""
     whole, (problem, keep) = problem, _contract(problem)
     exact_solver = chain_dp if problem.is_chain() else (lambda p, b: milp(p, b, time_limit=time_limit))
     nbytes, cost, plans, exact = [], [], [], True
     budget = sum(problem.nbytes)
-    while len(nbytes) < FRONT_MAX_POINTS:
+    while len(nbytes) < FRONT_MAX_POINTS and (not nbytes or time.perf_counter() < deadline):
         try:
             sol = exact_solver(problem, budget)
         except Infeasible:
@@ -539,10 +539,12 @@ def _part_front(problem: Problem, time_limit: float) -> Front:
     return Front(tuple(nbytes), tuple(cost), plans.__getitem__, exact)
 
 
-def pareto_front(problem: Problem, *, time_limit: float = 1.5) -> Front:
-    """The whole problem's front from its parts' fronts (Note [Independent parts])."""
+def pareto_front(problem: Problem, *, time_limit: float = 1.5, seconds: float = math.inf) -> Front:
+    """The whole problem's front from its parts' fronts (Note [Independent parts]); walking the
+    parts' fronts stops after `seconds` (the front is then not exact)."""
     import numpy as np
 
+    deadline = time.perf_counter() + seconds
     members = parts(problem)
     cache: dict[tuple, Front] = {}
     fronts = []
@@ -550,7 +552,7 @@ def pareto_front(problem: Problem, *, time_limit: float = 1.5) -> Front:
         sub = _sub(problem, m)
         key = _shape(sub)
         if key not in cache:
-            cache[key] = _part_front(sub, time_limit)
+            cache[key] = _part_front(sub, time_limit, deadline)
         fronts.append(cache[key])
     # Sum the fronts one part at a time, keeping for each point which point of each part made it.
     total_b = np.zeros(1, dtype=np.int64)
@@ -599,19 +601,22 @@ def parts_pay_off(problem: Problem) -> bool:
     return 4 * sum(distinct.values()) <= len(problem)
 
 
-def by_parts(problem: Problem, budget: int, *, time_limit: float = 1.5) -> Solution:
+def by_parts(problem: Problem, budget: int, *, time_limit: float = 1.5, seconds: float = math.inf) -> Solution:
     """Exact through the problem's independent parts (Note [Independent parts]); optimal=False when
-    a part's front could not be proven exact."""
+    a part's front could not be proven exact (or was cut short after `seconds`)."""
     start = time.perf_counter()
-    return pareto_front(problem, time_limit=time_limit).solution(problem, budget, start=start)
+    return pareto_front(problem, time_limit=time_limit, seconds=seconds).solution(problem, budget, start=start)
 
 
 SOLVERS: dict[str, Solver] = {"chain_dp": chain_dp, "milp": milp, "greedy": greedy, "parts": by_parts}
 
 
-def solve(problem: Problem, budget: int, *, solver: str = "auto", time_limit: float = 1.5) -> Solution:
+def solve(
+    problem: Problem, budget: int, *, solver: str = "auto", time_limit: float = 1.5, try_parts: bool = True
+) -> Solution:
     """The best available plan: chain_dp for chains, else through independent parts when that
-    pays off (parts_pay_off) and their fronts are exact, else the MILP under `time_limit` (up to
+    pays off (parts_pay_off, `try_parts`) and their fronts are found exactly within two time
+    limits, else the MILP under `time_limit` (up to
     `MILP_MAX_VALUES` values), else greedy; the better of MILP and greedy when the MILP was cut
     short."""
     if solver == "chain_dp":
@@ -626,8 +631,8 @@ def solve(problem: Problem, budget: int, *, solver: str = "auto", time_limit: fl
         raise ValueError(f"unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
     if problem.is_chain():
         return chain_dp(problem, budget)
-    if parts_pay_off(problem):
-        split = by_parts(problem, budget, time_limit=time_limit)
+    if try_parts and parts_pay_off(problem):
+        split = by_parts(problem, budget, time_limit=time_limit, seconds=2 * time_limit)
         if split.optimal:
             return split
     fast = greedy(problem, budget)

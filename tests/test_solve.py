@@ -193,3 +193,16 @@ def test_alike_blocks_are_solved_once():
     assert split.cost == pytest.approx(exact.cost)
     check(problem, split.saved, split.recomputed)
     assert split.saved_bytes <= budget
+
+
+def test_a_front_cut_short_is_marked_inexact():
+    """pareto_front under a time allowance it cannot meet: still a valid front (each point a valid
+    plan), marked not exact, so auto does not trust it."""
+    from passes.solve import pareto_front
+
+    problem = DIAMOND  # one part, four front points: only the first is found in no time
+    front = pareto_front(problem, seconds=0.0)
+    assert not front.exact and len(front.nbytes) == 1
+    for k in range(len(front.nbytes)):
+        saved, recomputed = front.plan(k)
+        check(problem, saved, recomputed)
