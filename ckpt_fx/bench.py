@@ -275,7 +275,12 @@ def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: 
             filled = round(width * (k - 1) / len(setups))
             progress(f"[{'#' * filled}{'.' * (width - filled)}] {k}/{len(setups)} {setup}")
         try:
-            results.append(_measure(workload, setup, steps=steps, amp=amp))
+            # Cold compiles: a plan served from Inductor's FX graph cache (an earlier run of the
+            # same setup) would report no plan and a compile time that measures nothing.
+            import torch._inductor.config
+
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                results.append(_measure(workload, setup, steps=steps, amp=amp))
         except Exception as error:  # noqa: BLE001 - reported in the row, the other setups still run
             if k == 1:
                 raise
