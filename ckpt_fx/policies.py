@@ -41,6 +41,7 @@ FORMS = (
     '"graph"',
     '"budget:0.3"',
     '"budget:2GiB"',
+    '"budget:0.3,costs=measured"',
     '"selective"',
     '"selective:skip_first=K"',
     "a callable (node_info) -> CheckpointPolicy",
@@ -247,7 +248,10 @@ def _budget_value(limit: float | str) -> tuple[float | None, int | None]:
 BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
 
 
-def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5) -> Policy:
+COSTS = ("roofline", "measured")
+
+
+def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5, costs: str = "roofline") -> Policy:
     """The cheapest plan whose predicted peak fits `limit`.
 
     `limit` is a fraction of the activation memory of the step without checkpointing (0.3 keeps
@@ -258,6 +262,8 @@ def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5)
     partitioned and its peak predicted, and the cheapest that fits wins (Note [Peak-aware
     budget]). Embeddings and hard-ruled ops are never recomputed; what leaves a block is kept.
     A limit no candidate fits raises passes.solve.Infeasible naming the smallest feasible one.
+    `costs` is how a recompute is priced: "roofline" (FLOPs and bytes on the device's roofline) or
+    "measured" (each distinct op timed once on random tensors of its shapes while planning).
     """
     from passes.budget import Chooser, candidate_policies
     from passes.solve import SOLVERS
@@ -267,13 +273,16 @@ def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5)
         raise ValueError(f"budget: unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or time_limit <= 0:
         raise ValueError(f"budget: time_limit must be a positive number of seconds, got {time_limit!r}")
+    if costs not in COSTS:
+        raise ValueError(f"budget: unknown costs {costs!r}; valid: {', '.join(COSTS)}")
     shown = f"{fraction:g}" if fraction is not None else f"{limit.strip()!r}"  # type: ignore[union-attr]
 
     def policy(info: NodeInfo) -> CheckpointPolicy:
         raise RuntimeError("budget() decides over the whole graph: the pipeline asks it for candidates")
 
     def candidates(gm, hard_rules: dict[str, str]) -> Iterator[Policy]:
-        return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=solver, time_limit=time_limit)
+        return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=solver, time_limit=time_limit,
+                                  costs=costs)
 
     def chooser() -> Chooser:
         return Chooser(fraction=fraction, nbytes=nbytes, shown=shown)
@@ -282,7 +291,7 @@ def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5)
     policy.chooser = chooser  # type: ignore[attr-defined]
     policy.choices = []  # type: ignore[attr-defined]
     policy.uses_blocks = False  # type: ignore[attr-defined]
-    extra = "" if solver == "auto" else f", solver={solver!r}"
+    extra = ("" if solver == "auto" else f", solver={solver!r}") + ("" if costs == "roofline" else f", costs={costs!r}")
     return _named(policy, f"budget({shown}{extra})")
 
 
@@ -339,7 +348,15 @@ def parse(spec: str | Policy | None) -> Policy:
     if name == "budget":
         if not args.strip():
             raise ValueError(f"policy 'budget' needs a limit, e.g. \"budget:0.3\" or \"budget:2GiB\"; valid forms: {', '.join(FORMS)}")
-        return budget(args.strip())
+        limit, *options = [a.strip() for a in args.split(",")]
+        settings = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key.strip() not in ("costs", "solver"):
+                raise ValueError(f"policy {spec!r}: budget takes a limit then costs=... or solver=..., got {option!r}; "
+                                 f"valid forms: {', '.join(FORMS)}")
+            settings[key.strip()] = value.strip()
+        return budget(limit, **settings)
     factories = {"blocks": (blocks, "every"), "segments": (segments, "size"), "sqrt": (sqrt, None), "none": (none, None),
                  "graph": (graph, None), "budget": (budget, None), "selective": (selective, None)}
     if name not in factories:

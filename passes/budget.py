@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes._compat import CheckpointPolicy
+from passes._compat import CheckpointPolicy, pytree, size_hint
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
 from passes.memory import Estimate
 from passes.regions import REGION_KEY, forward_nodes
@@ -60,6 +60,57 @@ def roofline_cost(node: torch.fx.Node, device: str) -> float:
     for arg in node.all_input_nodes:
         moved += tensor_bytes(arg.meta.get("val"))
     return _OVERHEAD_S + max(node.meta.get(FLOPS_KEY, 0) / flops_s, moved / bytes_s)
+
+
+def measured_costs(device: str) -> Callable[[torch.fx.Node], float]:
+    """A cost per node from timing it: the op run on random tensors of its arguments' shapes and
+    dtypes (integers as zeros, so indices stay in range), best of three after a warm-up. Ops alike
+    in target, shapes and arguments are timed once. A node that cannot be run this way (an op
+    needing particular values) gets its roofline cost."""
+    import time
+
+    seen: dict[tuple, float] = {}
+
+    def real(value: object) -> object:
+        if isinstance(value, torch.fx.Node):
+            value = value.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            shape = tuple(size_hint(d) for d in value.shape)
+            if value.dtype.is_floating_point or value.dtype.is_complex:
+                return torch.randn(shape, dtype=value.dtype, device=device)
+            return torch.zeros(shape, dtype=value.dtype, device=device)
+        if isinstance(value, torch.SymInt):
+            return size_hint(value)
+        return value
+
+    def describe(value: object) -> object:
+        value = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(size_hint(d) for d in value.shape), value.dtype)
+        return repr(value)
+
+    def cost(node: torch.fx.Node) -> float:
+        if is_view(node) or node.target is operator.getitem or node.op != "call_function":
+            return 0.0
+        key = (str(node.target), tuple(map(describe, node.args)), tuple((k, describe(v)) for k, v in node.kwargs.items()))
+        if key not in seen:
+            try:
+                args = pytree.tree_map(real, node.args)
+                kwargs = pytree.tree_map(real, node.kwargs)
+                times = []
+                with torch.no_grad():
+                    for _ in range(4):
+                        start = time.perf_counter()
+                        node.target(*args, **kwargs)
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - start)
+                seen[key] = min(times[1:])
+            except Exception:  # noqa: BLE001 - an op that needs particular values: the roofline
+                seen[key] = roofline_cost(node, device)
+        return seen[key]
+
+    return cost
 
 
 def graph_device(gm: torch.fx.GraphModule) -> str:
@@ -172,13 +223,16 @@ class Choice:
 
 
 def candidate_policies(
-    gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str, time_limit: float
+    gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str, time_limit: float,
+    costs: str = "roofline",
 ) -> Iterator[Callable]:
     """Per-node policies for the distinct plans at the grid's saved-bytes fractions, then the plan
-    that saves least, most saved first (so least recompute first); made lazily."""
+    that saves least, most saved first (so least recompute first); made lazily. `costs` is
+    "roofline" (Note [Roofline cost]) or "measured" (measured_costs)."""
     from passes.solve import Infeasible, pareto_front, parts_pay_off, smallest_budget
 
-    graph = build_problem(gm, hard_rules=hard_rules)
+    cost = measured_costs(graph_device(gm)) if costs == "measured" else None
+    graph = build_problem(gm, hard_rules=hard_rules, cost=cost)
     problem = graph.problem
     base = baseline_bytes(problem)
     # A problem in many alike parts (a stack of blocks) has its whole front found once; every

@@ -91,7 +91,8 @@ def test_absolute_budget_bounds_the_predicted_peak():
 
 @pytest.mark.parametrize(
     "spec, name",
-    [("budget:0.3", "budget(0.3)"), ("budget: 2GiB", "budget('2GiB')"), ("budget:512MB", "budget('512MB')"), ("budget:1", "budget(1)")],
+    [("budget:0.3", "budget(0.3)"), ("budget: 2GiB", "budget('2GiB')"), ("budget:512MB", "budget('512MB')"), ("budget:1", "budget(1)"),
+     ("budget:0.3,costs=measured", "budget(0.3, costs='measured')"), ("budget:0.3, solver=milp", "budget(0.3, solver='milp')")],
 )
 def test_budget_string_forms(spec, name):
     assert policies.policy_name(policies.parse(spec)) == name
@@ -105,6 +106,8 @@ def test_budget_string_forms(spec, name):
         ("budget:1.5", r"fraction must lie in \(0, 1\]"),
         ("budget:2PB", "cannot read '2PB'"),
         ("budget:lots", "cannot read 'lots'"),
+        ("budget:0.3,costs=guess", "unknown costs 'guess'; valid: roofline, measured"),
+        ("budget:0.3,speed=9", "budget takes a limit then costs=... or solver=..., got 'speed=9'"),
     ],
 )
 def test_bad_budgets_raise_naming_the_value(spec, fragment):
@@ -155,3 +158,32 @@ def test_a_deep_stack_is_planned_through_its_alike_blocks():
     assert backend.plans[0].peak_bytes == choice.peak
     for got, want in zip((p.grad for p in model.parameters()), eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_measured_costs_time_the_ops_and_plan_exact_gradients():
+    """costs="measured": each distinct op timed on random tensors of its shapes; a matmul costs
+    more than a view (free) and timing alike ops once; the plan trains like eager."""
+    from passes.budget import measured_costs
+
+    torch.manual_seed(0)
+    model = build("gpt", layers=2, dim=64, heads=2, dropout=0.0)
+    ids = torch.randint(0, 1000, (2, 32))
+    model(ids, ids).backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    backend = ckpt_fx.backend(policy="budget:0.3,costs=measured", strict=True)
+    joints = []
+    inner = backend.partition
+
+    def partition(joint, joint_inputs, **kwargs):
+        joints.append(joint)
+        return inner(joint, joint_inputs, **kwargs)
+
+    backend.partition = partition
+    torch.compile(model, backend=backend)(ids, ids).backward()
+    for got, want in zip((p.grad for p in model.parameters()), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    cost = measured_costs("cpu")
+    nodes = {n.target: n for n in joints[0].graph.nodes if n.op == "call_function"}
+    mm, view = nodes[torch.ops.aten.mm.default], nodes[torch.ops.aten.view.default]
+    assert cost(mm) > 0 and cost(view) == 0.0
