@@ -258,9 +258,10 @@ def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5,
     the predicted peak at gradients + 30% of the rest), or a size for the step's predicted peak
     of the graph ("2GiB", "512MB"). Candidate plans come from passes.solve (Note [The recompute
     problem]: least recompute cost for a number of saved bytes; exact MILP under `time_limit`
-    seconds, the exact chain DP for chains, greedy on large graphs; `solver` picks one), each is
-    partitioned and its peak predicted, and the cheapest that fits wins (Note [Peak-aware
-    budget]). Embeddings and hard-ruled ops are never recomputed; what leaves a block is kept.
+    seconds, the exact chain DP for chains, exact through alike blocks, greedy on large graphs;
+    `solver` picks one), each one's peak is predicted from the joint graph, and the cheapest that
+    fits is partitioned (Note [Peak-aware budget]). Embeddings and hard-ruled ops are never
+    recomputed; what crosses a block's edge is kept.
     A limit no candidate fits raises passes.solve.Infeasible naming the smallest feasible one.
     `costs` is how a recompute is priced: "roofline" (FLOPs and bytes on the device's roofline) or
     "measured" (each distinct op timed once on random tensors of its shapes while planning).
