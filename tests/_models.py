@@ -155,18 +155,20 @@ def close(a: Step, b: Step, *, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
 
 class Recorder:
     """A ckpt backend that keeps, per partitioned graph, the joint graph (with its decisions) and
-    the backward it produced."""
+    the backward it produced (`graphs`), and the partitioner's keyword arguments (`kwargs`)."""
 
     def __init__(self, policy):
         import ckpt_fx
 
         self.backend = ckpt_fx.backend(policy=policy, strict=True)
         self.graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
+        self.kwargs: list[dict] = []
         inner = self.backend.partition
 
         def partition(joint, joint_inputs, **kwargs):
             fw, bw = inner(joint, joint_inputs, **kwargs)
             self.graphs.append((joint, bw))
+            self.kwargs.append(kwargs)
             return fw, bw
 
         self.backend.partition = partition

@@ -10,6 +10,7 @@ import ckpt_fx
 from ckpt_fx import policies
 from ckpt_fx.models import build
 from passes.solve import Infeasible
+from tests._models import Recorder
 
 BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.15)
 
@@ -171,19 +172,11 @@ def test_measured_costs_time_the_ops_and_plan_exact_gradients():
     model(ids, ids).backward()
     eager = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    backend = ckpt_fx.backend(policy="budget:0.3,costs=measured", strict=True)
-    joints = []
-    inner = backend.partition
-
-    def partition(joint, joint_inputs, **kwargs):
-        joints.append(joint)
-        return inner(joint, joint_inputs, **kwargs)
-
-    backend.partition = partition
-    torch.compile(model, backend=backend)(ids, ids).backward()
+    recorder = Recorder("budget:0.3,costs=measured")
+    torch.compile(model, backend=recorder.backend)(ids, ids).backward()
     for got, want in zip((p.grad for p in model.parameters()), eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     cost = measured_costs("cpu")
-    nodes = {n.target: n for n in joints[0].graph.nodes if n.op == "call_function"}
+    nodes = {n.target: n for n in recorder.graphs[0][0].graph.nodes if n.op == "call_function"}
     mm, view = nodes[torch.ops.aten.mm.default], nodes[torch.ops.aten.view.default]
     assert cost(mm) > 0 and cost(view) == 0.0

@@ -142,18 +142,10 @@ def test_joint_liveness_predicts_the_partitioned_peak(model_name):
     for policy in ["none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "segments:3", "budget:0.3"]:
         torch._dynamo.reset()
         model = build(model_name, layers=4, dim=64, heads=2)
-        b = ckpt_fx.backend(policy=policy, strict=True)
-        calls = []
-        inner = b.partition
-
-        def partition(joint, joint_inputs, **kwargs):
-            calls.append((joint, kwargs))
-            return inner(joint, joint_inputs, **kwargs)
-
-        b.partition = partition
-        torch.compile(model, backend=b)(ids, ids).backward()
-        assert len(calls) == len(b.plans) >= 1
-        for (joint, kwargs), plan in zip(calls, b.plans):
+        recorder = Recorder(policy)
+        torch.compile(model, backend=recorder.backend)(ids, ids).backward()
+        assert len(recorder.graphs) == len(recorder.backend.plans) >= 1
+        for (joint, _), kwargs, plan in zip(recorder.graphs, recorder.kwargs, recorder.backend.plans):
             liveness = JointLiveness(joint, num_fwd_outputs=kwargs["num_fwd_outputs"],
                                      static_input_indices=kwargs.get("static_lifetime_input_indices"))
             recomputed = {n.name for n in forward_nodes(joint.graph) if n.meta.get("recompute") in RECOMPUTE}
