@@ -143,22 +143,27 @@ def test_a_graph_with_nothing_to_recompute_is_kept_not_refused():
     assert loss.peak == loss.baseline_peak == loss.smallest_peak  # kept as it is
 
 
+def _train_compiled_like_eager(model, ids, backend) -> None:
+    """One step eager, one compiled with `backend` from the same start: gradients allclose."""
+    model(ids, ids).backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch.compile(model, backend=backend)(ids, ids).backward()
+    for got, want in zip((p.grad for p in model.parameters()), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_a_deep_stack_is_planned_through_its_alike_blocks():
     """16 alike blocks: the candidates come from one front summed over the blocks (solver
     'parts', exact), and the plan trains like eager."""
     torch.manual_seed(0)
     model = build("llama", layers=16, dim=32, heads=2, vocab=128)
     ids = torch.randint(0, 128, (2, 16))
-    model(ids, ids).backward()
-    eager = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
     backend = ckpt_fx.backend(policy="budget:0.3", strict=True)
-    torch.compile(model, backend=backend)(ids, ids).backward()
+    _train_compiled_like_eager(model, ids, backend)
     choice = backend.options.policy.choices[0]
     assert choice.solver == "parts" and choice.peak <= choice.limit_bytes
     assert backend.plans[0].peak_bytes == choice.peak
-    for got, want in zip((p.grad for p in model.parameters()), eager, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_measured_costs_time_the_ops_and_plan_exact_gradients():
@@ -169,13 +174,8 @@ def test_measured_costs_time_the_ops_and_plan_exact_gradients():
     torch.manual_seed(0)
     model = build("gpt", layers=2, dim=64, heads=2, dropout=0.0)
     ids = torch.randint(0, 1000, (2, 32))
-    model(ids, ids).backward()
-    eager = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
     recorder = Recorder("budget:0.3,costs=measured")
-    torch.compile(model, backend=recorder.backend)(ids, ids).backward()
-    for got, want in zip((p.grad for p in model.parameters()), eager, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    _train_compiled_like_eager(model, ids, recorder.backend)
     cost = measured_costs("cpu")
     nodes = {n.target: n for n in recorder.graphs[0][0].graph.nodes if n.op == "call_function"}
     mm, view = nodes[torch.ops.aten.mm.default], nodes[torch.ops.aten.view.default]
