@@ -75,15 +75,16 @@ def demo(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from ckpt_fx import bench as b
 
-    workload = _workload(args)
     setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else b.DEFAULT_SETUPS
     try:
+        workload = _workload(args).to(args.device)
         rows = b.run(workload, setups, steps=args.steps, amp=args.amp, progress=_progress)
     except ValueError as error:
         print(f"python -m ckpt_fx bench: error: {error}", file=sys.stderr)
         return 2
     amp = ", bf16 autocast" if args.amp else ""
-    print(f"\n{workload.name}; torch {torch.__version__}; {args.steps} timed steps (median){amp}\n")
+    where = f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else ""
+    print(f"\n{workload.name}; {where}torch {torch.__version__}; {args.steps} timed steps (median){amp}\n")
     print(b.markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--steps", type=int, default=5)
     bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks' (default: all)")
     bn.add_argument("--amp", action="store_true", help="run every step under bf16 autocast")
+    bn.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bn.add_argument("--plot", help="also draw peak against step time (Pareto front) into this PNG (matplotlib)")
     bn.add_argument("--json", help="also write the rows to this file")
     bn.set_defaults(run=bench)

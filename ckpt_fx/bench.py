@@ -60,6 +60,19 @@ class Workload:
         """Run a forward through fn (the model, compiled or not) and return the scalar loss."""
         return training_loss(fn(*self.args, **self.kwargs))
 
+    def to(self, device: str | torch.device) -> Workload:
+        """The same workload with its model and every tensor argument on `device`."""
+        from torch.utils._pytree import tree_map
+
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda': torch sees no CUDA device here; valid: cpu")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {str(device)!r}: valid: cpu, cuda")
+        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return Workload(name=self.name, model=self.model.to(device), args=tree_map(move, self.args),
+                        kwargs=tree_map(move, self.kwargs))
+
 
 def gpt2_workload(*, layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 1000, batch: int = 8, seq: int = 256) -> Workload:
     """transformers' GPT2LMHeadModel from a small config (random weights, eager attention, its default
@@ -339,17 +352,22 @@ def _measure(workload: Workload, setup: str, *, steps: int, amp: bool):
         for p in model.parameters():
             p.grad = None
 
+    device = _device(model)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     start = time.perf_counter()
     step()
+    sync()
     compile_s = time.perf_counter() - start
     clear()
-    peak = peak_bytes(step)
+    peak = peak_bytes(step, device=device)
     grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
     times = []
     for _ in range(steps):
         clear()
+        sync()
         start = time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - start)
     clear()
     torch._dynamo.reset()

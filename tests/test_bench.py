@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from ckpt_fx import bench
 
@@ -40,6 +41,21 @@ def test_bad_setups_are_refused_before_running(setup, fragment):
     workload = bench.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=8)
     with pytest.raises(ValueError, match=fragment):
         bench.run(workload, ("eager", setup), steps=1)
+
+
+def test_workload_moves_to_a_device_or_names_the_valid_ones(capsys):
+    from ckpt_fx.__main__ import main
+
+    w = bench.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=8).to("cpu")
+    assert w.args[0].device.type == "cpu" and next(w.model.parameters()).device.type == "cpu"
+    with pytest.raises(ValueError, match="device 'meta': valid: cpu, cuda"):
+        w.to("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device here; valid: cpu"):
+            w.to("cuda")
+        args = ["bench", "--model", "gpt", "--layers", "1", "--dim", "32", "--heads", "2", "--device", "cuda"]
+        assert main(args) == 2
+        assert "error: device 'cuda': torch sees no CUDA device here" in capsys.readouterr().err
 
 
 def test_plot_draws_the_pareto_front(rows, tmp_path):

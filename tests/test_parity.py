@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ckpt_fx
@@ -89,14 +89,32 @@ def functional_reference(model: torch.nn.Module, x: torch.Tensor, seed: int = 7)
 def test_gradients_equal_the_uncheckpointed_run(spec, policy, batch, seq):
     """Bitwise equal to aot_eager without checkpointing, allclose to eager and to torch.func;
     the backward recomputes only forward, non-random nodes; buffers change exactly as in eager."""
+    check_parity(spec, policy, batch, seq, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@settings(max_examples=max(8, settings.default.max_examples // 3))
+@given(spec=specs, policy=st.sampled_from(POLICIES), batch=st.integers(1, 3), seq=st.integers(2, 6))
+def test_gradients_equal_the_uncheckpointed_run_on_cuda(spec, policy, batch, seq):
+    """The same property on CUDA (a third of the examples: each compiles three times)."""
+    check_parity(spec, policy, batch, seq, "cuda")
+
+
+def check_parity(spec: Spec, policy, batch: int, seq: int, device: str) -> None:
+    """The parity property for one example. On CUDA a kernel may accumulate in a varying order
+    (atomics): bitwise equality is required where two un-checkpointed runs agree bitwise,
+    otherwise agreement to float32 rounding."""
     torch._dynamo.reset()
-    model = make(spec)
-    x = inputs(spec, batch, seq)
+    model = make(spec, device=device)
+    x = inputs(spec, batch, seq, device=device)
     recorder = Recorder(policy)
     got = train_step(model, x, recorder.backend)
     ref = train_step(model, x, "aot_eager")
     eager = train_step(model, x)
-    assert bitwise_equal(got, ref)
+    if device == "cpu" or bitwise_equal(train_step(model, x, "aot_eager"), ref):
+        assert bitwise_equal(got, ref)
+    else:
+        assert close(got, ref, rtol=1e-5, atol=1e-6)
     assert close(got, eager)
     out, grads = functional_reference(model, x)
     assert torch.allclose(got.out, out, rtol=1e-4, atol=1e-5)
