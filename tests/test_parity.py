@@ -101,9 +101,16 @@ def test_gradients_equal_the_uncheckpointed_run_on_cuda(spec, policy, batch, seq
 
 
 def check_parity(spec: Spec, policy, batch: int, seq: int, device: str) -> None:
-    """The parity property for one example. On CUDA a kernel may accumulate in a varying order
-    (atomics): bitwise equality is required where two un-checkpointed runs agree bitwise,
-    otherwise agreement to float32 rounding."""
+    """The parity property for one example.
+
+    On CUDA a kernel may accumulate in a varying order (atomics): bitwise equality with aot_eager
+    is required where two un-checkpointed runs agree bitwise, otherwise agreement to float32
+    rounding. Eager CUDA runs other kernels than the compiled graph (cuDNN's BatchNorm, fused
+    ops), and a gradient that is mathematically zero (a bias before a BatchNorm) comes out as
+    rounding noise on the scale of the step's largest values, so against eager and torch.func the
+    absolute tolerance there is 1e-4 of that scale (measured on an H200: 1.3e-5 where the scale
+    is ~0.7, between aot_eager and eager without any checkpointing).
+    """
     torch._dynamo.reset()
     model = make(spec, device=device)
     x = inputs(spec, batch, seq, device=device)
@@ -115,14 +122,16 @@ def check_parity(spec: Spec, policy, batch: int, seq: int, device: str) -> None:
         assert bitwise_equal(got, ref)
     else:
         assert close(got, ref, rtol=1e-5, atol=1e-6)
-    assert close(got, eager)
+    scale = max(t.abs().max().item() for t in [eager.out, *eager.grads] if t is not None and t.numel())
+    atol = 1e-5 if device == "cpu" else 1e-4 * scale
+    assert close(got, eager, atol=atol)
     out, grads = functional_reference(model, x)
-    assert torch.allclose(got.out, out, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(got.out, out, rtol=1e-4, atol=atol)
     trainable = [p.requires_grad for p in model.parameters()]
     for g, r, needs in zip(got.grads, grads, trainable):
         assert (g is not None) == needs
         if needs:
-            assert torch.allclose(g, r, rtol=1e-4, atol=1e-5)
+            assert torch.allclose(g, r, rtol=1e-4, atol=atol)
 
     assert recorder.graphs, "the ckpt backend partitioned no graph"
     for joint, bw in recorder.graphs:
