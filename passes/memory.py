@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -328,6 +329,7 @@ class JointLiveness:
             elif n.op == "placeholder" and (is_tangent(n) or not is_primal(n)):
                 self.entry[i] = tensor_bytes(n.meta.get("val"))
         self.touched = [tuple({self.key[a] for a in self.inputs[i]} | {self.key[i]}) for i in range(len(nodes))]
+        self.getitems = [[index[u] for u in n.users if u.target is operator.getitem] for n in nodes]
         self.is_input = [n.op == "placeholder" for n in nodes]
         self.call = [n.op == "call_function" for n in nodes]
         out = nodes[-1] if nodes and nodes[-1].op == "output" else next(n for n in reversed(nodes) if n.op == "output")
@@ -347,6 +349,7 @@ class JointLiveness:
             live.add(i)
             stack.extend(self.inputs[i])
         self.backward = sorted(i for i in live if self.call[i])
+        self.live = live
         # The backward runs from the first node that reads an incoming gradient; a node before it
         # (one that reads only forward values) runs when a later node first needs it, as torch's
         # reordering_to_mimic_autograd_engine orders it (an in-place copy_ excepted).
@@ -404,7 +407,12 @@ class JointLiveness:
                 made.add(i)
                 batch.append(i)
                 todo.extend(inputs[i])
-            order.extend(sorted(batch))
+            for i in sorted(batch):  # a multi-output node's getitems follow it (Note [Just-in-time recompute])
+                order.append(i)
+                for g in self.getitems[i]:
+                    if g not in made and (g in remade or (g not in forward and g in self.live)):
+                        made.add(g)
+                        order.append(g)
         bw_peak = self._walk(order, bw_live, held=set(), pinned=outputs, final=self.grads)
         grads = {self.key[g]: bw_live.get(self.key[g], 0) for g in self.kept_grads}
         return Estimate(peak_bytes=max(fw_peak, bw_peak), gradient_bytes=sum(grads.values()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 # Note [Just-in-time recompute]
@@ -11,6 +13,10 @@ import torch
 # order and emitting, just before each, the recomputed nodes it needs that are not yet emitted,
 # rebuilds block k while block k's gradients are computed; the eager runner frees each value
 # after its last use, so the rebuilt activations of block k die before block k-1 is rebuilt.
+# A multi-output node (native_layer_norm, max_pool2d_with_indices) is followed at once by all its
+# getitems: the generated code holds the whole tuple until its last getitem runs, so a getitem
+# emitted later, when its value is first needed, would keep every output alive until then (found
+# measuring a recomputed Conv+BatchNorm block: 4.6 KB of a 60 KB step held this way, unpredicted).
 
 
 def schedule_pass(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> torch.fx.GraphModule:
@@ -36,7 +42,12 @@ def schedule_pass(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> torch.fx
             needed.append(current)
             todo.extend(current.all_input_nodes)
         for current in sorted(needed, key=order.__getitem__):
+            if current in env:  # a getitem already placed after its node
+                continue
             copy(current)
+            for user in current.users:
+                if user.target is operator.getitem and user not in env:
+                    copy(user)
 
     for node in nodes:
         if node.op == "placeholder":
