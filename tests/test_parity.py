@@ -185,6 +185,15 @@ def test_regression_segment_over_a_frozen_block_peak():
     test_measured_peak_no_higher_than_without_checkpointing.hypothesis.inner_test(spec, "segments:2", 2, 16)
 
 
+@pytest.mark.xfail(strict=True, reason="known (found by the large profile): to recompute SDPA, torch's partition "
+                   "saves the CPU generator state (5056 bytes; the op is tagged random even at dropout_p=0); this "
+                   "block's activations are fewer bytes than that: the plan keeps 832 bytes more at the forward's "
+                   "end (predicted and measured) in a 31 KB step")
+def test_regression_sdpa_block_smaller_than_the_cpu_rng_state():
+    spec = Spec(depth=2, width=8, heads=1, embedding=False, attention="sdpa", mlp=False, norm=False, residual=False)
+    test_measured_peak_no_higher_than_without_checkpointing.hypothesis.inner_test(spec, "blocks", 2, 16)
+
+
 def test_batchnorm_running_stats_update_exactly_once(device):
     """BatchNorm's running stats and num_batches_tracked equal eager's after two steps."""
     spec = Spec(depth=3, width=8, batchnorm=True, dropout=0.1)
