@@ -6,9 +6,12 @@ import copy
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+REQUIRES_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+from tests._models import REQUIRES_CUDA
+
 # The suite plans with the eager inner compiler (seconds per compile; Inductor takes a minute per
 # model on a CPU); tests/test_inductor.py and the default's own test use Inductor explicitly.
 # Examples and the command line run in subprocesses and inherit this.
@@ -21,7 +23,7 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("CKPT_FX_HYPOTHESIS", "ci"))
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=REQUIRES_CUDA)]
 
 
 @pytest.fixture(params=DEVICES)

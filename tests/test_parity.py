@@ -14,7 +14,7 @@ import ckpt_fx
 from ckpt_fx import CheckpointPolicy, policies
 from passes.regions import forward_nodes
 from passes.select import hard_rule
-from tests._models import Recorder, Spec, bitwise_equal, close, inputs, make, train_step
+from tests._models import REQUIRES_CUDA, Recorder, Spec, bitwise_equal, close, inputs, make, train_step
 
 
 def coin_policy(info: ckpt_fx.NodeInfo) -> CheckpointPolicy:
@@ -92,7 +92,7 @@ def test_gradients_equal_the_uncheckpointed_run(spec, policy, batch, seq):
     check_parity(spec, policy, batch, seq, "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@REQUIRES_CUDA
 @settings(max_examples=max(8, settings.default.max_examples // 3))
 @given(spec=specs, policy=st.sampled_from(POLICIES), batch=st.integers(1, 3), seq=st.integers(2, 6))
 def test_gradients_equal_the_uncheckpointed_run_on_cuda(spec, policy, batch, seq):

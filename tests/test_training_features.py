@@ -9,15 +9,14 @@ import pytest
 import torch
 
 import ckpt_fx
-from tests._models import Spec, inputs, make
+from tests._models import REQUIRES_CUDA, Spec, inputs, make
 
 SPEC = Spec(depth=3, width=16, dropout=0.1)
 EVERY = "blocks:every=1,skip_first=0"
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-AUTOCAST = [("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=CUDA),
-            pytest.param("cuda", torch.float16, marks=CUDA)]
+AUTOCAST = [("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=REQUIRES_CUDA),
+            pytest.param("cuda", torch.float16, marks=REQUIRES_CUDA)]
 
 
 @pytest.mark.parametrize(("device", "dtype"), AUTOCAST, ids=["cpu-bf16", "cuda-bf16", "cuda-fp16"])
