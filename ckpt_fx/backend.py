@@ -6,13 +6,10 @@ import fnmatch
 import logging
 import os
 import pathlib
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from passes.solve import Infeasible
 
 from ckpt_fx import policies
 from passes import Plan
@@ -26,6 +23,7 @@ from passes._compat import (
     inductor_with_partitioner,
 )
 from passes.debug import debug_checks_pass
+from passes.warn import warn_user
 from passes.regions import PATH_KEY
 from passes.select import REASON_KEY
 
@@ -124,6 +122,13 @@ class CkptBackend:
         self._graphs = 0
         self._warned: set[str] = set()
 
+    @property
+    def partitioner(self) -> str:
+        """Who decides what the policy leaves open: torch's min-cut under Inductor (it knows what
+        Inductor fuses), AOTAutograd's default partition (save it) under the eager compiler
+        (Note [Min-cut under Inductor])."""
+        return "min_cut" if self.options.compiler == "inductor" else "default"
+
     def __repr__(self) -> str:
         return f"ckpt_fx.backend(policy={policies.policy_name(self.options.policy)}, compiler={self.options.compiler!r})"
 
@@ -141,21 +146,19 @@ class CkptBackend:
                 policy_name=name,
                 num_fwd_outputs=kwargs["num_fwd_outputs"],
                 static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+                partitioner=self.partitioner,
+                strict=self.options.strict,
                 dump=_dumper(folder) if folder is not None else None,
             )
             if debug:
                 fw, bw = debug_checks_pass(fw, bw, recomputed=set(plan.recomputed), values=debug == "values")
                 log.info("ckpt_fx debug: graphs of each pass in %s", folder)
         except Exception as error:
-            # A budget no plan fits is the user's to change, not a graph we cannot handle.
-            if self.options.strict or isinstance(error.__cause__, Infeasible):
+            if self.options.strict:
                 raise
             for node in joint.graph.nodes:
                 node.meta.pop(RECOMPUTE_KEY, None)
-            warnings.warn(
-                f"ckpt_fx: falling back to AOTAutograd's default partition (no checkpointing) for this graph: {error}",
-                stacklevel=2,
-            )
+            warn_user(f"ckpt_fx: falling back to AOTAutograd's default partition (no checkpointing) for this graph: {error}")
             fw, bw = default_partition(
                 joint,
                 joint_inputs,
@@ -195,7 +198,7 @@ class CkptBackend:
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(message, stacklevel=3)
+            warn_user(message)
 
     def cache_key(self) -> str | None:
         """What Inductor's FX graph cache keys our partition on: the policy, the options that change

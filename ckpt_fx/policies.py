@@ -281,9 +281,9 @@ def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5,
     def policy(info: NodeInfo) -> CheckpointPolicy:
         raise RuntimeError("budget() decides over the whole graph: the pipeline asks it for candidates")
 
-    def candidates(gm, hard_rules: dict[str, str]) -> Iterator[Policy]:
+    def candidates(gm, hard_rules: dict[str, str], *, fused: bool = False) -> Iterator[Policy]:
         return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=solver, time_limit=time_limit,
-                                  costs=costs)
+                                  costs=costs, fused=fused)
 
     def chooser() -> Chooser:
         return Chooser(fraction=fraction, nbytes=nbytes, shown=shown)
@@ -305,6 +305,12 @@ def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
     if not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise ValueError(f"only_in: patterns must be non-empty strings, got {patterns!r}")
     inner = parse(policy)
+    if hasattr(inner, "candidates"):
+        raise ValueError(
+            f"only_in cannot wrap {policy_name(inner)}: a memory budget plans the whole graph at once "
+            "(it would be called per node and fail); use the budget alone, or only_in with a per-node policy "
+            f"such as 'blocks' or 'selective'; valid forms: {', '.join(FORMS)}"
+        )
 
     def matches(path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*") for p in patterns)
@@ -313,6 +319,7 @@ def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
         return inner(info) if matches(info.module_path) else SAVE
 
     combined.patterns = patterns  # type: ignore[attr-defined]  # checked against the graph's paths
+    combined.uses_blocks = getattr(inner, "uses_blocks", True)  # type: ignore[attr-defined]  # graph(): no block warning
     return _named(combined, f"only_in({list(patterns)!r}, {policy_name(inner)})")
 
 

@@ -5,6 +5,7 @@ When torch moves one of these, this is the only file to change.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
+from torch._functorch.partitioners import min_cut_rematerialization_partition as min_cut_partition
 from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -27,10 +29,14 @@ __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "pytree",
+    "activation_memory_budget",
     "aot_autograd",
     "aot_module_simplified",
     "boxed_nop",
+    "without_joint_cse",
     "default_partition",
+    "min_cut_partition",
+    "is_fusible",
     "is_primal",
     "is_tangent",
     "size_hint",
@@ -96,6 +102,32 @@ def is_impure_not_random(node: torch.fx.Node) -> bool:
         return node.is_impure(impure_random=False)
     except TypeError:  # an fx without the keyword: it did not count random ops as impure
         return node.is_impure()
+
+
+@functools.cache
+def _op_types():
+    from torch._functorch.partitioners import get_default_op_list
+
+    return get_default_op_list()
+
+
+def is_fusible(node: torch.fx.Node) -> bool:
+    """In torch's min-cut partitioner's list of ops Inductor fuses (pointwise ops, reductions)."""
+    return node.op == "call_function" and _op_types().is_fusible(node)
+
+
+def activation_memory_budget(fraction: float):
+    """A context in which torch's min-cut partitioner plans under its own memory-budget knob."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=fraction)
+
+
+def without_joint_cse():
+    """A context in which torch's min-cut partitioner does not CSE the joint graph first."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(cse=False)
 
 
 def has_inductor_partitioner_hook() -> bool:

@@ -50,16 +50,27 @@ class Graph:
 
     problem: Problem
     nodes: tuple[torch.fx.Node, ...]
+    boundaries: frozenset[int] = frozenset()
+    """Values crossing a block's edge (Note [Block boundaries under a budget])."""
 
 
-def roofline_cost(node: torch.fx.Node, device: str) -> float:
+def roofline_cost(node: torch.fx.Node, device: str, *, fused: bool = False) -> float:
+    """Note [Roofline cost]; `fused`: the inner compiler fuses pointwise ops into their consumers
+    (Inductor), so recomputing one costs reading its inputs once more: no launch, no output written."""
     flops_s, bytes_s = ROOFLINES.get(device, ROOFLINES["cuda"])
     if is_view(node) or node.target is operator.getitem:
         return 0.0
-    moved = tensor_bytes(node.meta.get("val"))
-    for arg in node.all_input_nodes:
-        moved += tensor_bytes(arg.meta.get("val"))
+    reads = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
+    if fused and is_pointwise(node):
+        return reads / bytes_s
+    moved = reads + tensor_bytes(node.meta.get("val"))
     return _OVERHEAD_S + max(node.meta.get(FLOPS_KEY, 0) / flops_s, moved / bytes_s)
+
+
+def is_pointwise(node: torch.fx.Node) -> bool:
+    """An elementwise aten op (torch's `pointwise` tag): what Inductor fuses into its consumer."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.pointwise in tags
 
 
 def measured_costs(device: str) -> Callable[[torch.fx.Node], float]:
@@ -126,10 +137,12 @@ def build_problem(
     *,
     hard_rules: dict[str, str],
     cost: Callable[[torch.fx.Node], float] | None = None,
+    fused: bool = False,
 ) -> Graph:
-    """The recompute Problem of a joint graph whose nodes carry regions and costs."""
+    """The recompute Problem of a joint graph whose nodes carry regions and costs; `fused` prices
+    pointwise ops as fused into their consumers (roofline_cost) when no `cost` is given."""
     device = graph_device(gm)
-    cost = cost or (lambda n: roofline_cost(n, device))
+    cost = cost or (lambda n: roofline_cost(n, device, fused=fused))
     fwd = forward_nodes(gm.graph)
     fwd_set = set(fwd)
     nodes = tuple(n for n in fwd if n.op == "call_function")
@@ -145,14 +158,15 @@ def build_problem(
         saveable.append(not view_or_tuple)
         region = node.meta.get(REGION_KEY)
         recomputable.append(node.name not in hard_rules and not (region is not None and region.kind == "embedding"))
-    for i in _boundaries(nodes, index, saveable):
+    edges = _boundaries(nodes, index, saveable)
+    for i in edges:
         recomputable[i] = False
         needed[i] = True  # always saved: the blocks are then independent parts
     problem = Problem(
         names=tuple(names), nbytes=tuple(nbytes), cost=tuple(costs), inputs=tuple(inputs),
         needed=tuple(needed), saveable=tuple(saveable), recomputable=tuple(recomputable),
     )
-    return Graph(problem=problem, nodes=nodes)
+    return Graph(problem=problem, nodes=nodes, boundaries=frozenset(edges))
 
 
 def _block_of(node: torch.fx.Node) -> object | None:
@@ -185,14 +199,19 @@ def baseline_bytes(problem: Problem) -> int:
     return sum(problem.nbytes[i] for i in save_all(problem))
 
 
-def decisions(graph: Graph, solution: Solution) -> dict[str, CheckpointPolicy]:
-    """MUST_SAVE for saved values, MUST_RECOMPUTE for recomputed ones, PREFER_SAVE for the rest
-    (values the backward never reads)."""
+def decisions(graph: Graph, solution: Solution, *, fused: bool = False) -> dict[str, CheckpointPolicy]:
+    """MUST_RECOMPUTE for recomputed values; MUST_SAVE for saved ones; PREFER_SAVE for the rest
+    (values the backward never reads).
+
+    `fused` (min-cut partition, Note [Min-cut under Inductor]): only block edges are MUST_SAVE, and
+    only when the plan recomputes something; the other saved values are PREFER_SAVE, so min-cut may
+    still recompute the cheap fusible ones, as Inductor alone would. A plan that recomputes nothing
+    is then exactly Inductor's own partition."""
     out = {}
     for i, node in enumerate(graph.nodes):
         if i in solution.recomputed:
             out[node.name] = CheckpointPolicy.MUST_RECOMPUTE
-        elif i in solution.saved:
+        elif i in solution.saved and (not fused or (solution.recomputed and i in graph.boundaries)):
             out[node.name] = CheckpointPolicy.MUST_SAVE
         else:
             out[node.name] = CheckpointPolicy.PREFER_SAVE
@@ -220,19 +239,22 @@ class Choice:
     cost: float
     solver: str
     candidates: int
+    reached: float | None = None
+    """When no plan fit: the budget (as a fraction) the chosen, lowest plan reaches."""
 
 
 def candidate_policies(
     gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str, time_limit: float,
-    costs: str = "roofline",
+    costs: str = "roofline", fused: bool = False,
 ) -> Iterator[Callable]:
     """Per-node policies for the distinct plans at the grid's saved-bytes fractions, then the plan
     that saves least, most saved first (so least recompute first); made lazily. `costs` is
-    "roofline" (Note [Roofline cost]) or "measured" (measured_costs)."""
+    "roofline" (Note [Roofline cost]) or "measured" (measured_costs); `fused`: planned for the
+    min-cut partition under Inductor (fused pointwise costs, decisions(fused=True))."""
     from passes.solve import Infeasible, pareto_front, parts_pay_off, smallest_budget
 
     cost = measured_costs(graph_device(gm)) if costs == "measured" else None
-    graph = build_problem(gm, hard_rules=hard_rules, cost=cost)
+    graph = build_problem(gm, hard_rules=hard_rules, cost=cost, fused=fused)
     problem = graph.problem
     base = baseline_bytes(problem)
     # A problem in many alike parts (a stack of blocks) has its whole front found once; every
@@ -261,7 +283,7 @@ def candidate_policies(
         if key in seen:
             continue
         seen.add(key)
-        chosen = decisions(graph, solution)
+        chosen = decisions(graph, solution, fused=fused)
 
         def policy(info, chosen=chosen):
             return chosen[info.name]
@@ -269,6 +291,13 @@ def candidate_policies(
         policy.solution = solution  # type: ignore[attr-defined]
         policy.recomputed = frozenset(n for n, d in chosen.items() if d == CheckpointPolicy.MUST_RECOMPUTE)  # type: ignore[attr-defined]
         yield policy
+
+
+def recompute_cost(gm: torch.fx.GraphModule, names: tuple[str, ...] | list[str], *, fused: bool) -> float:
+    """Roofline cost (Note [Roofline cost]) of recomputing the named forward nodes of a joint graph."""
+    device = graph_device(gm)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    return sum(roofline_cost(by_name[n], device, fused=fused) for n in names if n in by_name)
 
 
 class Chooser:
@@ -280,6 +309,8 @@ class Chooser:
         self.base = None
         self.limit = 0
         self.peaks: list[int] = []
+        self.ceiling: int | None = None
+        """A peak no chosen plan may exceed besides the limit (torch's own plan's under Inductor)."""
 
     def accept(self, plan: Estimate, candidate) -> Choice | None:
         if self.base is None:
@@ -288,7 +319,7 @@ class Chooser:
             span = max(plan.peak_bytes - floor, 1)
             self.limit = int(floor + self.fraction * span) if self.fraction is not None else int(self.nbytes or 0)
         self.peaks.append(plan.peak_bytes)
-        if plan.peak_bytes > self.limit:
+        if plan.peak_bytes > self.limit or (self.ceiling is not None and plan.peak_bytes > self.ceiling):
             return None
         solution = candidate.solution
         return Choice(
@@ -296,10 +327,12 @@ class Chooser:
             peak=plan.peak_bytes, cost=solution.cost, solver=solution.solver, candidates=len(self.peaks),
         )
 
-    def reject(self, first) -> Choice:
-        """No candidate fitted: the first (no recompute) when no candidate lowers the peak at all
-        (a graph with nothing to recompute, such as a loss after a graph break); else raise
-        Infeasible naming the smallest budget that fits."""
+    def reject(self, first, lowest, lowest_peak: int) -> tuple[Choice, Exception | None]:
+        """No candidate fitted. When no candidate lowers the peak at all (a graph with nothing to
+        recompute, such as a loss after a graph break): the first (no recompute), no error. Else the
+        candidate with the lowest predicted peak, and the Infeasible error naming the budget it
+        reaches: raised under strict, a warning otherwise (as torch's budget knob, the compile
+        goes on with the lowest plan)."""
         from passes.solve import Infeasible
 
         smallest = min(self.peaks)
@@ -308,14 +341,20 @@ class Chooser:
                 limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=smallest,
                 peak=self.base.peak_bytes, cost=first.solution.cost, solver=first.solution.solver,
                 candidates=len(self.peaks),
-            )
+            ), None
         floor = self.base.gradient_bytes
         span = max(self.base.peak_bytes - floor, 1)
         least = (smallest - floor) / span
-        raise Infeasible(
+        error = Infeasible(
             self.limit,
             smallest,
             f"budget {self.shown} is infeasible for this graph: it allows a peak of {self.limit / 2**20:.2f} MiB, "
             f"the lowest any plan reaches is {smallest / 2**20:.2f} MiB (budget {least:.3f} as a fraction, "
             f"or '{smallest / 2**20:.1f}MiB')",
         )
+        choice = Choice(
+            limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=smallest, peak=lowest_peak,
+            cost=lowest.solution.cost, solver=lowest.solution.solver, candidates=len(self.peaks),
+            reached=least,
+        )
+        return choice, error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -10,11 +11,13 @@ import torch
 
 from passes.costs import costs_pass
 from passes.dropout import dropout_pass
-from passes.memory import JointLiveness, Plan, memory_pass
+from passes.memory import Estimate, JointLiveness, Plan, memory_pass
 from passes.partition import partition_pass
 from passes.regions import forward_nodes, regions_pass
 from passes.schedule import schedule_pass
 from passes.select import Policy, hard_rules, select_pass
+from passes.warn import warn_user
+from passes._compat import CheckpointPolicy, activation_memory_budget
 
 log = logging.getLogger("ckpt_fx")
 
@@ -37,10 +40,14 @@ def run(
     policy_name: str,
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
+    partitioner: str = "default",
+    strict: bool = False,
     dump: Callable[[str, str, torch.fx.GraphModule], None] | None = None,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
     """dropout -> regions -> costs -> select -> partition -> schedule -> memory; returns (fw, bw, plan).
 
+    `partitioner`: "default" or "min_cut" (passes.partition, Note [Min-cut under Inductor]).
+    `strict`: a memory budget no plan reaches raises instead of planning the lowest with a warning.
     `dump(pass_name, "before"|"after", gm)`, when given, sees each pass's graph.
     """
     timings: dict[str, float] = {}
@@ -76,6 +83,7 @@ def run(
                 joint_inputs,
                 num_fwd_outputs=num_fwd_outputs,
                 static_lifetime_input_indices=static_lifetime_input_indices,
+                partitioner=partitioner,
             ),
             joint,
         )
@@ -96,43 +104,107 @@ def run(
                 top_level_units=region_map.top_level_units,
                 block_paths=tuple(b.path for b in region_map.blocks),
                 static_input_indices=static_lifetime_input_indices,
+                fused=partitioner == "min_cut",
             ),
         )
         return fw, bw, plan
 
-    # A policy with candidates (a memory budget) offers several plans; the policy picks one by
-    # their predicted peaks (Note [Peak-aware budget]), each predicted from the joint graph (Note
-    # [Peak from the joint graph]); only the chosen one is partitioned.
     candidates = getattr(policy, "candidates", None)
     if candidates is None:
         fw, bw, plan = plan_with(policy, policy_name)
     else:
-        liveness = step(
-            "memory",
-            lambda: JointLiveness(
-                joint, num_fwd_outputs=num_fwd_outputs, static_input_indices=static_lifetime_input_indices
-            ),
-        )
-        chooser = policy.chooser()
-        found = first = None
-        offered = iter(step("solve", lambda: candidates(joint, hard_rules(joint))))
-        while (candidate := step("solve", lambda: next(offered, None))) is not None:
-            estimate = step("memory", lambda: liveness.estimate(candidate.recomputed))
-            first = first or candidate
-            choice = step("select", lambda: chooser.accept(estimate, candidate))
-            if choice is not None:
-                found = candidate
-                policy.choices.append(choice)
-                break
-        if found is None:
-            # Nothing fits: an error naming the smallest feasible budget, or, when no plan lowers
-            # this graph's peak at all (nothing in it to recompute), the graph as it is.
-            policy.choices.append(step("select", lambda: chooser.reject(first)))
-            found = first
-        fw, bw, plan = plan_with(found, policy_name)
+        fw, bw, plan = _choose(step, plan_with, policy, policy_name, joint, num_fwd_outputs=num_fwd_outputs,
+                               static_lifetime_input_indices=static_lifetime_input_indices,
+                               partitioner=partitioner, strict=strict)
     log.log(
         logging.INFO if dump is not None else logging.DEBUG,  # debug runs list the passes at INFO
         "ckpt_fx passes: %s",
         ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()),
     )
     return fw, bw, plan
+
+
+def _choose(step, plan_with, policy, policy_name, joint, *, num_fwd_outputs, static_lifetime_input_indices,
+            partitioner, strict):
+    """A policy with candidates (a memory budget) offers several plans; the policy picks one by
+    their predicted peaks (Note [Peak-aware budget]). Under the default partition each peak is
+    predicted from the joint graph (Note [Peak from the joint graph]) and only the chosen one is
+    partitioned; under min-cut, which adds recomputes of its own, each candidate is partitioned and
+    its peak read from the partitioned graphs, until one fits, and torch's own plan at the same
+    budget is a candidate too (Note [Torch's knob as a candidate]). Returns (fw, bw, plan)."""
+    from passes.budget import Choice, recompute_cost
+
+    exact = partitioner == "min_cut"
+    liveness = None if exact else step(
+        "memory",
+        lambda: JointLiveness(joint, num_fwd_outputs=num_fwd_outputs, static_input_indices=static_lifetime_input_indices),
+    )
+    chooser = policy.chooser()
+    knob = None
+    if exact and chooser.fraction is not None:
+        with activation_memory_budget(chooser.fraction):
+            knob = plan_with(_leave_open, policy_name)
+        chooser.ceiling = knob[2].peak_bytes
+    first = lowest = planned = lowest_planned = None
+    lowest_peak = None
+    offered = iter(step("solve", lambda: policy.candidates(joint, hard_rules(joint), fused=exact)))
+    choice = None
+    while (candidate := step("solve", lambda: next(offered, None))) is not None:
+        if exact:
+            planned = plan_with(candidate, policy_name)
+            estimate = Estimate(peak_bytes=planned[2].peak_bytes, gradient_bytes=planned[2].gradient_bytes)
+        else:
+            estimate = step("memory", lambda: liveness.estimate(candidate.recomputed))
+        first = first or candidate
+        if lowest_peak is None or estimate.peak_bytes < lowest_peak:
+            lowest, lowest_peak, lowest_planned = candidate, estimate.peak_bytes, planned
+        choice = step("select", lambda: chooser.accept(estimate, candidate))
+        if choice is not None:
+            break
+    if knob is not None:
+        fits = knob[2].peak_bytes <= chooser.limit
+        knob_cost = recompute_cost(joint, knob[2].recomputed, fused=True)
+        if fits and (choice is None or knob_cost < recompute_cost(joint, planned[2].recomputed, fused=True)):
+            policy.choices.append(Choice(
+                limit_bytes=chooser.limit, baseline_peak=chooser.base.peak_bytes,
+                smallest_peak=min(chooser.peaks + [knob[2].peak_bytes]), peak=knob[2].peak_bytes, cost=knob_cost,
+                solver="torch-knob", candidates=len(chooser.peaks) + 1,
+            ))
+            return knob
+        chooser.peaks.append(knob[2].peak_bytes)  # the lowest any plan reaches counts torch's too
+    if choice is not None:
+        policy.choices.append(choice)
+        return planned if exact else plan_with(candidate, policy_name)
+    # Nothing fits: the lowest plan, with the budget it reaches (an error under strict); or, when
+    # no plan lowers this graph's peak at all (nothing in it to recompute), the graph as it is.
+    knob_lowest = knob is not None and knob[2].peak_bytes < lowest_peak
+    if knob_lowest:
+        lowest_peak = knob[2].peak_bytes
+    choice, error = step("select", lambda: chooser.reject(first, lowest, lowest_peak))
+    if error is not None:
+        if strict:
+            raise error
+        warn_user(f"ckpt_fx: {error}; planned the lowest")
+    if knob_lowest and error is not None:
+        policy.choices.append(dataclasses.replace(choice, cost=knob_cost, solver="torch-knob"))
+        return knob
+    policy.choices.append(choice)
+    found = lowest if error is not None else first
+    if exact and found is lowest and lowest_planned is not None:
+        return lowest_planned
+    return plan_with(found, policy_name)
+
+
+def _leave_open(info) -> CheckpointPolicy:
+    """Every decision left to the partitioner (torch's own plan)."""
+    return CheckpointPolicy.PREFER_SAVE
+
+
+# Note [Torch's knob as a candidate]
+# Under Inductor, torch's activation_memory_budget=x plans with the min-cut partitioner too, by
+# its own rules (a knapsack over the ops min-cut would not recompute). Its plan is one more
+# candidate for budget:x: our plan is chosen only if its predicted peak is no higher than torch's
+# plan's and it fits our limit; torch's plan is chosen when it fits our limit and our cost model
+# prices its recompute below the cheapest of ours that fits. So budget:x never keeps more than
+# torch's knob at x and is never priced above it; where torch's plan wins, the Choice says
+# solver="torch-knob".

@@ -6,13 +6,13 @@ A region is an embedding, block k of a stack of repeated blocks, or other. See N
 from __future__ import annotations
 
 import re
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from passes._compat import is_primal, is_tangent
+from passes.warn import warn_user
 
 REGION_KEY = "ckpt_fx.region"
 PATH_KEY = "ckpt_fx.module_path"
@@ -172,11 +172,10 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
                     tops.append(top)
         top_level = bool(tops)
         if top_level and warn:
-            warnings.warn(
+            warn_user(
                 "ckpt_fx: no stack of repeated blocks found in this graph; using its top-level "
                 f"children ({', '.join(tops)}) as checkpoint units; if each block is compiled on its own "
-                "(FSDP2's fully_shard per block, torch.compile per block), use policy=\"graph\"",
-                stacklevel=2,
+                "(FSDP2's fully_shard per block, torch.compile per block), use policy=\"graph\""
             )
 
     # Number units in forward order.

@@ -66,12 +66,24 @@ def test_budget_recompute_cost_rises_as_the_budget_falls(gpt_runs):
     assert costs == sorted(costs), costs
 
 
-def test_infeasible_budget_names_the_smallest_feasible_one():
+def test_an_unreachable_budget_plans_the_lowest_with_one_warning_and_strict_raises():
+    """As torch's knob, a budget no plan reaches does not fail the compile: the lowest plan, one
+    warning naming the budget it reaches; exact gradients. strict=True raises Infeasible instead."""
+    torch.manual_seed(0)
     model = build("gpt", layers=2, dim=64, heads=2, dropout=0.0)
     ids = torch.randint(0, 1000, (2, 32))
-    backend = ckpt_fx.backend(policy="budget:0.01")  # not strict: still an error, not a fallback
-    with pytest.raises(Exception, match=r"budget 0.01 is infeasible.*lowest any plan reaches.*budget 0\.\d+ as a fraction") as error:
-        torch.compile(model, backend=backend)(ids, ids).backward()
+    backend = ckpt_fx.backend(policy="budget:0.01")
+    with pytest.warns(UserWarning, match=r"budget 0.01 is infeasible.*lowest any plan reaches.*budget 0\.\d+ as a fraction.*planned the lowest"):
+        _train_compiled_like_eager(model, ids, backend)
+    choice = backend.options.policy.choices[0]
+    assert choice.peak > choice.limit_bytes and choice.reached is not None and 0.01 < choice.reached < 1
+    assert backend.plans[0].peak_bytes == choice.peak == choice.smallest_peak < choice.baseline_peak
+    assert backend.plans[0].recomputed
+
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(Exception, match=r"budget 0.01 is infeasible") as error:
+        torch.compile(model, backend=ckpt_fx.backend(policy="budget:0.01", strict=True))(ids, ids).backward()
     cause = error.value
     while cause is not None and not isinstance(cause, Infeasible):
         cause = getattr(cause, "inner_exception", None) or cause.__cause__
@@ -180,3 +192,14 @@ def test_measured_costs_time_the_ops_and_plan_exact_gradients():
     nodes = {n.target: n for n in recorder.graphs[0][0].graph.nodes if n.op == "call_function"}
     mm, view = nodes[torch.ops.aten.mm.default], nodes[torch.ops.aten.view.default]
     assert cost(mm) > 0 and cost(view) == 0.0
+
+
+def test_warnings_point_at_the_users_line():
+    """A warning names the caller's file and line (here, this test), not a line inside ckpt_fx or torch."""
+    torch.manual_seed(0)
+    model = build("gpt", layers=2, dim=32, heads=2, dropout=0.0)
+    ids = torch.randint(0, 1000, (2, 16))
+    with pytest.warns(UserWarning, match="budget 0.01 is infeasible") as record:
+        torch.compile(model, backend=ckpt_fx.backend(policy="budget:0.01"))(ids, ids).backward()
+    ours = [w for w in record if "ckpt_fx" in str(w.message)]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]

@@ -151,3 +151,33 @@ def test_joint_liveness_predicts_the_partitioned_peak(model_name):
             recomputed = {n.name for n in forward_nodes(joint.graph) if n.meta.get("recompute") in RECOMPUTE}
             estimate = liveness.estimate(recomputed)
             assert (estimate.peak_bytes, estimate.gradient_bytes) == (plan.peak_bytes, plan.gradient_bytes), policy
+
+
+def _traced(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn)(*args)
+    return {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_a_fusible_op_feeding_only_fusible_ops_is_not_stored_under_inductor():
+    """Note [Predicting a fused graph]: mul feeds add (fused away); add feeds mm (stored); mm is
+    not fusible (stored)."""
+    from passes.memory import fused_away
+
+    nodes = _traced(lambda x, w: torch.mm((x * 2) + 1, w), torch.randn(4, 4), torch.randn(4, 4))
+    aten = torch.ops.aten
+    assert fused_away(nodes[aten.mul.Tensor])
+    assert not fused_away(nodes[aten.add.Tensor])
+    assert not fused_away(nodes[aten.mm.default])
+
+
+def test_fused_costs_price_a_pointwise_recompute_as_its_reads_and_a_matmul_as_before():
+    """Under Inductor a recomputed pointwise op costs its extra reads (no launch, no write); a
+    matmul costs its roofline time either way."""
+    from passes.budget import roofline_cost
+
+    nodes = _traced(lambda x, w: torch.mm(torch.relu(x), w), torch.randn(64, 64), torch.randn(64, 64))
+    relu, mm = nodes[torch.ops.aten.relu.default], nodes[torch.ops.aten.mm.default]
+    assert 0 < roofline_cost(relu, "cpu", fused=True) < roofline_cost(relu, "cpu") / 2
+    assert roofline_cost(mm, "cpu", fused=True) == roofline_cost(mm, "cpu")

@@ -225,3 +225,25 @@ def test_selective_on_a_gpt_lowers_the_peak_with_little_recompute():
         peaks[spec], flops[spec] = backend.plans[0].peak_bytes, backend.plans[0].recompute_flops
     assert peaks["blocks:every=1,skip_first=0"] < peaks["selective"] < 0.85 * peaks["none"]
     assert flops["selective"] < 0.1 * flops["blocks:every=1,skip_first=0"]  # no matmul recomputed
+
+
+def test_only_in_refuses_a_budget_and_keeps_graphs_quiet_about_blocks():
+    """Issue: only_in over a budget lost the budget's candidates (the backend then called the
+    budget per node, warned and checkpointed nothing); only_in over graph() warned "no stack found"
+    for a policy that does not use blocks. Now: refused at construction; no warning."""
+    import warnings
+
+    import torch
+
+    from ckpt_fx.models import build
+
+    with pytest.raises(ValueError, match=r"only_in cannot wrap budget\(0.5\): a memory budget plans the whole graph"):
+        policies.only_in("layers.*", "budget:0.5")
+    block = build("llama", layers=1, dim=32, heads=2).layers[0]
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    cos, sin = torch.randn(16, 16), torch.randn(16, 16)
+    backend = ckpt_fx.backend(policy=policies.only_in("*", "graph"), strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.compile(block, backend=backend)(x, cos, sin).sum().backward()
+    assert backend.plans[0].recomputed
