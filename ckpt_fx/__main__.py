@@ -77,6 +77,14 @@ def bench(args: argparse.Namespace) -> int:
 
     setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else b.DEFAULT_SETUPS
     try:
+        if args.sweep:
+            if args.setups:
+                raise ValueError("give --setups or --sweep, not both")
+            try:
+                budgets = tuple(float(x) for x in args.sweep.split(","))
+            except ValueError:
+                raise ValueError(f"--sweep: expected ','-separated budgets like 0.9,0.7,0.5, got {args.sweep!r}") from None
+            setups = b.sweep_setups(budgets)
         workload = _workload(args).to(args.device)
         rows = b.run(workload, setups, steps=args.steps, amp=args.amp, progress=_progress)
     except ValueError as error:
@@ -86,9 +94,12 @@ def bench(args: argparse.Namespace) -> int:
     where = f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else ""
     print(f"\n{workload.name}; {where}torch {torch.__version__}; {args.steps} timed steps (median){amp}\n")
     print(b.markdown(rows))
+    marks = b.dominance_markdown(rows)
+    if marks:
+        print("\nEach peer against our plans (peak <= and step time <=, measured in this run):\n" + marks)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(b.as_dicts(rows), f, indent=2)
+            json.dump(b.as_dicts(rows), f, indent=2, allow_nan=False)
     if args.plot:
         b.plot(rows, args.plot, title=f"{workload.name}; torch {torch.__version__}{amp}")
         print(f"\nplot: {args.plot}")
@@ -175,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     _model_options(bn, model="gpt2", layers=12)
     bn.add_argument("--steps", type=int, default=5)
     bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks' (default: all)")
+    bn.add_argument("--sweep", help="','-separated budgets, e.g. 0.9,0.7,0.5,0.3,0.15: torch's knob and ckpt:budget at "
+                    "each, beside Inductor alone, ckpt:none, torch's op-level selective checkpointing, ckpt:selective, "
+                    "HF per-block checkpointing (instead of --setups)")
     bn.add_argument("--amp", action="store_true", help="run every step under bf16 autocast")
     bn.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bn.add_argument("--plot", help="also draw peak against step time (Pareto front) into this PNG (matplotlib)")

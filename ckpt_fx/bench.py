@@ -24,9 +24,21 @@ DEFAULT_SETUPS = (
     "ckpt:budget:0.5", "ckpt:budget:0.3", "ckpt:budget:0.15",
 )
 SETUP_FORMS = (
-    "eager, checkpoint, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, ckpt:<policy> "
-    "(the default inner compiler), ckpt-eager:<policy>, ckpt-inductor:<policy>"
+    "eager, checkpoint, sac, inductor-sac, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, "
+    "ckpt:<policy> (the default inner compiler), ckpt-eager:<policy>, ckpt-inductor:<policy>"
 )
+PEERS = ("eager", "checkpoint", "sac", "inductor-sac", "aot_eager", "inductor")
+
+
+def sweep_setups(budgets: tuple[float, ...]) -> tuple[str, ...]:
+    """Both budget lines at each budget, with the peers and our no-checkpoint and selective plans:
+    torch's knob (inductor-budget:x) beside ckpt:budget:x, Inductor alone beside ckpt:none, torch's
+    op-level selective checkpointing under Inductor beside ckpt:selective, HF per-block checkpointing."""
+    for x in budgets:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x <= 1:
+            raise ValueError(f"--sweep: every budget must be a number in (0, 1], got {x!r}")
+    lines = [s for x in budgets for s in (f"inductor-budget:{x:g}", f"ckpt:budget:{x:g}")]
+    return ("eager", "checkpoint", "inductor", "ckpt:none", "inductor-sac", "ckpt:selective", *lines)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,15 +239,35 @@ def _block_stack(model: torch.nn.Module) -> torch.nn.ModuleList:
     return max(lists, key=len)
 
 
-def _checkpoint_every_block(model: torch.nn.Module) -> torch.nn.Module:
-    """What HF's gradient_checkpointing_enable does: torch.utils.checkpoint around every block."""
+def _checkpoint_every_block(model: torch.nn.Module, *, selective: bool = False) -> torch.nn.Module:
+    """What HF's gradient_checkpointing_enable does: torch.utils.checkpoint around every block.
+    `selective`: torch's op-level selective checkpointing inside each block instead (what
+    torchtitan's op-level mode does): matmul and attention outputs saved, the rest recomputed."""
+    options: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        import functools
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
     if getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         return model
     for block in _block_stack(model):
         forward = block.forward
-        block.forward = lambda *a, _f=forward, **k: torch.utils.checkpoint.checkpoint(_f, *a, use_reentrant=False, **k)
+        block.forward = lambda *a, _f=forward, **k: torch.utils.checkpoint.checkpoint(_f, *a, **options, **k)
     return model
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """torch's selective-checkpoint policy for the sac setups: save matmul and attention outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from ckpt_fx.policies import OP_CLASSES
+
+    packet = str(getattr(op, "_overloadpacket", op))
+    saved = {name for cls in ("matmul", "attention") for name in OP_CLASSES[cls]}
+    return CheckpointPolicy.MUST_SAVE if packet in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _prepare(setup: str, model: torch.nn.Module):
@@ -247,6 +279,10 @@ def _prepare(setup: str, model: torch.nn.Module):
         return model, None, none
     if setup == "checkpoint":
         return _checkpoint_every_block(model), None, none
+    if setup == "sac":
+        return _checkpoint_every_block(model, selective=True), None, none
+    if setup == "inductor-sac":
+        return torch.compile(_checkpoint_every_block(model, selective=True), backend="inductor"), None, none
     if setup in ("aot_eager", "inductor"):
         return torch.compile(model, backend=setup), None, none
     compiler, _, knob = setup.partition("-budget:")
@@ -316,7 +352,7 @@ def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: 
 
 def _prepare_check(setup: str) -> None:
     """Refuse a bad setup name before anything runs."""
-    if setup in ("eager", "checkpoint", "aot_eager", "inductor"):
+    if setup in PEERS:
         return
     compiler, _, knob = setup.partition("-budget:")
     if knob and compiler in ("aot_eager", "inductor"):
@@ -398,8 +434,30 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(out + ([""] + failed if failed else []))
 
 
+def dominators(rows: list[Row]) -> dict[str, str | None]:
+    """For every peer row (a setup not of ours), the ckpt row that dominates it: peak <= and step
+    time <=, the one of least peak among those; None when no ckpt row does. Failed rows take no part."""
+    ours = [r for r in rows if r.error is None and r.setup.startswith("ckpt")]
+    out: dict[str, str | None] = {}
+    for r in rows:
+        if r.error is not None or r.setup.startswith("ckpt"):
+            continue
+        better = [o for o in ours if o.peak_mb <= r.peak_mb and o.step_s <= r.step_s]
+        out[r.setup] = min(better, key=lambda o: (o.peak_mb, o.step_s)).setup if better else None
+    return out
+
+
+def dominance_markdown(rows: list[Row]) -> str:
+    """One line per peer: the ckpt setup that dominates it, or that none does."""
+    out = []
+    for peer, by in dominators(rows).items():
+        out.append(f"- {peer}: dominated by {by}" if by else f"- {peer}: no ckpt setup has both peak and step time <= it")
+    return "\n".join(out)
+
+
 def as_dicts(rows: list[Row]) -> list[dict]:
-    return [asdict(r) for r in rows]
+    """The rows as plain dicts for strict JSON: a number a failed setup did not measure is None."""
+    return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(r).items()} for r in rows]
 
 
 def plot(rows: list[Row], path: str, *, title: str = "") -> None:
@@ -419,6 +477,15 @@ def plot(rows: list[Row], path: str, *, title: str = "") -> None:
         on = r in front
         ax.scatter(r.step_ratio, r.peak_ratio, color="tab:red" if on else "tab:gray", zorder=3)
         ax.annotate(r.setup, (r.step_ratio, r.peak_ratio), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    lines: dict[str, list[Row]] = {}
+    for r in done:  # each budget line (ours, torch's knob) drawn through its points
+        head, sep, _ = r.setup.rpartition("budget:")
+        if sep:
+            lines.setdefault(head + "budget", []).append(r)
+    for name, members in lines.items():
+        members = sorted(members, key=lambda r: r.peak_ratio)
+        ax.plot([r.step_ratio for r in members], [r.peak_ratio for r in members], marker="", alpha=0.6,
+                linestyle="--" if name.startswith("ckpt") else ":", label=name)
     ordered = sorted(front, key=lambda r: r.step_ratio)
     ax.step([r.step_ratio for r in ordered], [r.peak_ratio for r in ordered], where="post", color="tab:red",
             label="Pareto front")
