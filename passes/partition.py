@@ -63,6 +63,10 @@ def partition_pass(
 # torch's min-cut partitioner first merges identical nodes of the joint graph (CSE), which ties
 # backward computations to forward nodes a policy marked for recompute. Measured on a 3-block GPT
 # (width 128, batch 4x256, CPU, Inductor) checkpointing every block: 27.4 MB peak with that CSE,
-# 16.9 MB without (17.0 MB with the default partition; the memory pass predicts 17.5 MB). So a
-# plan with recomputes is partitioned without it; a plan without (`none`) keeps torch's setting
-# and stays exactly Inductor's own partition.
+# 16.9 MB without (17.0 MB with the default partition; the memory pass predicts 17.5 MB, and does
+# not see the difference). Running the same CSE before regions and select instead, so that a
+# merged node is one value read by several units, measured 27.5 MB: what it merges is not (only)
+# values of several blocks. So a plan with recomputes is partitioned without it; a plan without
+# (`none`) keeps torch's setting and stays exactly Inductor's own partition. The cost: on GPT-2
+# 6x384 `selective` keeps 120.3 MB where torch's op-level selective checkpointing (with CSE)
+# keeps 118.3 MB.
