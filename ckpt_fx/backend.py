@@ -169,6 +169,7 @@ class CkptBackend:
         if plan is not None:
             self.plans.append(plan)
             self._warn_if_unmatched(joint, plan, name)
+            self._warn_if_outputs_held(plan)
             log.info(
                 "ckpt_fx: %s: saved %.1f MB, recompute %d ops (%.2f GFLOP), predicted peak %.1f MB",
                 name,
@@ -178,6 +179,21 @@ class CkptBackend:
                 plan.peak_bytes / 2**20,
             )
         return fw, bw
+
+    def _warn_if_outputs_held(self, plan: Plan) -> None:
+        """Warn once when the graph returns values from inside several checkpointed units (a KV
+        cache): they are kept from the forward to the backward whatever the policy."""
+        paths = sorted({path for path, _ in plan.held_outputs})
+        if len(paths) < 2:  # one unit: a graph split inside a block hands its value on, not a cache
+            return
+        total = sum(nbytes for _, nbytes in plan.held_outputs)
+        shown = ", ".join(paths[:3] + (["..."] if len(paths) > 3 else []))
+        self._warn_once(
+            f"ckpt_fx: the model returns {len(plan.held_outputs)} tensors computed inside checkpointed blocks "
+            f"({f'{total / 2**20:.1f} MB' if total >= 2**20 else f'{total / 2**10:.0f} KiB'}; {shown}): they stay alive from the forward to the backward whatever the "
+            "policy. For a Hugging Face model this is its KV cache: call it with use_cache=False (or set "
+            "model.config.use_cache = False) when training, as its own gradient checkpointing does"
+        )
 
     def _warn_if_unmatched(self, joint: torch.fx.GraphModule, plan: Plan, name: str) -> None:
         """Warn once when a policy matched nothing in a graph that has blocks, or when an only_in

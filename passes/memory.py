@@ -75,6 +75,9 @@ class Plan:
     """Nodes no policy may recompute, with why (random, mutation, ...)."""
     top_level_units: bool = False
     fallback_reason: str | None = None
+    held_outputs: tuple[tuple[str, int], ...] = ()
+    """(module path, bytes) of the values the graph returns from inside checkpointed units (a
+    KV cache): they stay alive from the forward to the backward whatever the policy."""
     symbols: dict[str, int] = field(default_factory=dict)
     """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
     were made with. `at(...)` gives the plan's figures at other sizes."""
@@ -268,7 +271,9 @@ def memory_pass(
             entry[1] += 1
             entry[2] += f
             entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"), sizes)
+    checkpointed = {p for p, v in per_block.items() if v[1]}
     return Plan(
+        held_outputs=_held_outputs(user_outputs, checkpointed, sizes),
         policy=policy,
         saved=tuple(saved),
         recomputed=tuple(n.name for n in recomputed),
@@ -292,6 +297,23 @@ def memory_pass(
         ) if symbols else None,
     )
 
+
+
+def _held_outputs(outputs: list[torch.fx.Node], checkpointed: set[str], sizes: dict[str, int] | None) -> tuple[tuple[str, int], ...]:
+    """Returned values computed inside a checkpointed unit and read inside it too (a block's keys
+    and values returned as a KV cache), not the unit's own result: one entry per storage."""
+    held: dict[torch.fx.Node, tuple[str, int]] = {}
+    for node in outputs:
+        base = node
+        while is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
+            base = base.args[0]
+        region = base.meta.get(REGION_KEY)
+        if region is None or region.block is None or region.block.path not in checkpointed or base in held:
+            continue
+        inside = [u for u in base.users if u.op != "output" and getattr(u.meta.get(REGION_KEY), "block", None) == region.block]
+        if inside and any(not is_view(u) or u not in outputs for u in inside):
+            held[base] = (base.meta.get(PATH_KEY, region.block.path), tensor_bytes(base.meta.get("val"), sizes))
+    return tuple(held.values())
 
 
 def _snapshot(gm: torch.fx.GraphModule) -> types.SimpleNamespace:

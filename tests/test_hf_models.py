@@ -88,15 +88,17 @@ def test_gradient_checkpointing_enable_is_replaced_not_doubled():
         assert torch.allclose(g, r, rtol=1e-4, atol=1e-6)
 
 
-def test_hf_trainer_trains_a_model_compiled_with_backend_ckpt(tmp_path):
-    """The HF Trainer trains a tiny Llama compiled with backend="ckpt" on synthetic data; the
-    losses equal those of the run without checkpointing.
+def test_hf_trainer_trains_a_model_compiled_in_place_and_saves_a_normal_checkpoint(tmp_path):
+    """The HF Trainer trains a tiny Llama compiled in place with `model.compile(backend="ckpt")`
+    (the README's path); the losses equal those of the run without checkpointing, and
+    `save_model` writes a checkpoint `from_pretrained` reloads with the trained weights (a wrapper
+    from `torch.compile(model)` would save every key as `_orig_mod.*`, and `from_pretrained`
+    would return random weights without an error).
 
     TrainingArguments(torch_compile_backend="ckpt") itself is refused by accelerate, whose
-    TorchDynamoPlugin accepts only the backends of its own DynamoBackend enum; compiling the model
-    before handing it to the Trainer is the supported path (README, "Hugging Face")."""
+    TorchDynamoPlugin accepts only the backends of its own DynamoBackend enum (pinned below)."""
     pytest.importorskip("accelerate")
-    from transformers import Trainer, TrainingArguments
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
     model = llama().train()
@@ -105,20 +107,29 @@ def test_hf_trainer_trains_a_model_compiled_with_backend_ckpt(tmp_path):
 
     def train(compiled: bool):
         args = TrainingArguments(
-            output_dir=str(tmp_path / str(compiled)), max_steps=4, per_device_train_batch_size=4,
+            output_dir=str(tmp_path / str(compiled)), max_steps=3, per_device_train_batch_size=4,
             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-            dataloader_num_workers=0, remove_unused_columns=False,  # a compiled forward takes (*args, **kwargs)
+            dataloader_num_workers=0,
         )
         m = copy.deepcopy(model)
-        trainer = Trainer(model=torch.compile(m, backend="ckpt") if compiled else m, args=args, train_dataset=data)
+        if compiled:
+            m.compile(backend="ckpt")
+        trainer = Trainer(model=m, args=args, train_dataset=data)
         trainer.train()
+        trainer.save_model(str(tmp_path / f"saved-{compiled}"))
         torch._dynamo.reset()
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], m
 
-    plain = train(False)
-    checkpointed = train(True)
-    assert len(plain) == len(checkpointed) == 4
+    plain, _ = train(False)
+    checkpointed, trained = train(True)
+    assert len(plain) == len(checkpointed) == 3
     assert plain == pytest.approx(checkpointed, rel=1e-4)
+    reloaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved-True"))
+    trained_state, start = trained.state_dict(), model.state_dict()
+    assert set(reloaded.state_dict()) == set(trained_state)
+    for key, value in reloaded.state_dict().items():
+        torch.testing.assert_close(value, trained_state[key], rtol=0, atol=0, msg=key)
+    assert any(not torch.equal(trained_state[k], start[k]) for k in start)  # it did train
 
 
 def test_trainer_argument_torch_compile_backend_ckpt_is_refused_by_accelerate():
@@ -127,3 +138,33 @@ def test_trainer_argument_torch_compile_backend_ckpt_is_refused_by_accelerate():
     accelerate_utils = pytest.importorskip("accelerate.utils")
     with pytest.raises(ValueError, match="is not a valid DynamoBackend"):
         accelerate_utils.TorchDynamoPlugin(backend="ckpt")
+
+
+def test_a_kv_cache_left_on_is_named_once_with_its_size_and_the_fix():
+    """An HF causal LM called the usual way returns its KV cache: every block's keys and values
+    stay alive whatever the policy. One warning says how many MB, where, and the fix; with
+    use_cache=False there is none."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = llama().train()
+    ids = torch.randint(0, 128, (2, 32))
+    backend = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", strict=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=backend)
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    held = [str(w.message) for w in record if "KV cache" in str(w.message)]
+    assert len(held) == 1, held
+    assert "use_cache=False" in held[0] and "model.layers.1.self_attn" in held[0]
+    total = sum(nbytes for _, nbytes in backend.plans[0].held_outputs)
+    assert f"({total / 2**10:.0f} KiB; " in held[0] and total >= 2 * 2 * (2 * 32 * 16 * 4)  # k and v (batch x seq x 16 fp32) of 2 blocks at least
+    assert backend.plans[0].held_outputs
+    torch._dynamo.reset()
+    quiet = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", strict=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(model, backend=quiet)(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert not [w for w in record if "KV cache" in str(w.message)]
+    assert not quiet.plans[0].held_outputs
