@@ -33,12 +33,14 @@ PEERS = ("eager", "checkpoint", "sac", "inductor-sac", "aot_eager", "inductor")
 def sweep_setups(budgets: tuple[float, ...]) -> tuple[str, ...]:
     """Both budget lines at each budget, with the peers and our no-checkpoint and selective plans:
     torch's knob (inductor-budget:x) beside ckpt:budget:x, Inductor alone beside ckpt:none, torch's
-    op-level selective checkpointing under Inductor beside ckpt:selective, HF per-block checkpointing."""
+    op-level selective checkpointing under Inductor beside ckpt:selective, HF per-block checkpointing
+    beside ours on every block."""
     for x in budgets:
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x <= 1:
             raise ValueError(f"--sweep: every budget must be a number in (0, 1], got {x!r}")
     lines = [s for x in budgets for s in (f"inductor-budget:{x:g}", f"ckpt:budget:{x:g}")]
-    return ("eager", "checkpoint", "inductor", "ckpt:none", "inductor-sac", "ckpt:selective", *lines)
+    return ("eager", "checkpoint", "ckpt:blocks:every=1,skip_first=0", "inductor", "ckpt:none", "inductor-sac",
+            "ckpt:selective", *lines)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,7 +85,7 @@ def main() -> int:
         if args.quick:
             model = [*model[:-10], "--layers", "3", "--dim", "64", "--heads", "2", "--batch", "2", "--seq", "64"]
         if setups is None:
-            selection, shown = ["--sweep", SWEEP], 6 + 2 * len(SWEEP.split(",")) + 12
+            selection, shown = ["--sweep", SWEEP], 7 + 2 * len(SWEEP.split(",")) + 14
         else:
             selection, shown = ["--setups", ";".join(["eager", "checkpoint", *setups])], len(setups) + 6
         command = [sys.executable, "-m", "ckpt_fx", "bench", "--device", args.device, *model, "--steps", "5",

@@ -65,8 +65,9 @@ def test_each_peer_is_marked_with_the_ckpt_row_that_dominates_it():
 
 def test_sweep_runs_both_budget_lines_beside_the_peers():
     setups = bench.sweep_setups((0.7, 0.3))
-    assert setups[:6] == ("eager", "checkpoint", "inductor", "ckpt:none", "inductor-sac", "ckpt:selective")
-    assert setups[6:] == ("inductor-budget:0.7", "ckpt:budget:0.7", "inductor-budget:0.3", "ckpt:budget:0.3")
+    assert setups[:7] == ("eager", "checkpoint", "ckpt:blocks:every=1,skip_first=0", "inductor", "ckpt:none",
+                          "inductor-sac", "ckpt:selective")
+    assert setups[7:] == ("inductor-budget:0.7", "ckpt:budget:0.7", "inductor-budget:0.3", "ckpt:budget:0.3")
     with pytest.raises(ValueError, match=r"every budget must be a number in \(0, 1\], got 1.5"):
         bench.sweep_setups((0.5, 1.5))
 
