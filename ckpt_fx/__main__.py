@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks' (default: all)")
     bn.add_argument("--sweep", help="','-separated budgets, e.g. 0.9,0.7,0.5,0.3,0.15: torch's knob and ckpt:budget at "
                     "each, beside Inductor alone, ckpt:none, torch's op-level selective checkpointing, ckpt:selective, "
-                    "HF per-block checkpointing (instead of --setups)")
+                    "HF per-block checkpointing beside ours on every block (instead of --setups)")
     bn.add_argument("--amp", action="store_true", help="run every step under bf16 autocast")
     bn.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bn.add_argument("--plot", help="also draw peak against step time (Pareto front) into this PNG (matplotlib)")
