@@ -136,11 +136,12 @@ def explain(args: argparse.Namespace) -> int:
 
     workload = _workload(args)
     _progress(f"planning {workload.name} with policy {args.policy}")
-    report = ckpt_fx.explain(workload.model, *workload.args, policy=args.policy, measure=args.measure, **workload.kwargs)
+    report = ckpt_fx.explain(workload.model, *workload.args, policy=args.policy, measure=args.measure,
+                             compiler=args.compiler, **workload.kwargs)
     print(report)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"policy": report.policy, "predicted_peak_bytes": report.predicted_peak_bytes,
+            json.dump({"policy": report.policy, "compiler": report.compiler, "predicted_peak_bytes": report.predicted_peak_bytes,
                        "measured_peak_bytes": report.measured_peak_bytes, "eager_peak_bytes": report.eager_peak_bytes,
                        "blocks": [vars(b) for p in report.plans for b in p.blocks], "warnings": list(report.warnings)},
                       f, indent=2)
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     _model_options(e, model="gpt2", layers=12)
     e.add_argument("--policy", default="blocks")
     e.add_argument("--measure", action="store_true", help="also measure the peak, with and without checkpointing")
+    e.add_argument("--compiler", choices=("inductor", "eager"), default=None,
+                   help="inner compiler to plan for (default: CKPT_FX_COMPILER, else inductor)")
     e.add_argument("--json", help="also write the report to this file")
     e.set_defaults(run=explain)
     bn = sub.add_parser("bench", help="peak memory and step time of every setup, side by side")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import itertools
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +29,15 @@ class Report:
     policy: str
     plans: tuple[Plan, ...]
     predicted_peak_bytes: int
+    compiler: str = "eager"
+    """The inner compiler the plans were made for."""
     measured_peak_bytes: int | None = None
     eager_peak_bytes: int | None = None
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
     def __str__(self) -> str:
         mb = 2**20
-        out = [f"ckpt_fx plan: {self.policy}, {len(self.plans)} graph(s)", ""]
+        out = [f"ckpt_fx plan: {self.policy}, {len(self.plans)} graph(s), inner compiler {self.compiler}", ""]
         out.append("| block | saved MB | recomputed ops | recompute GFLOP |")
         out.append("|---|---:|---:|---:|")
         for plan in self.plans:
@@ -78,13 +82,17 @@ def training_loss(out: Any) -> torch.Tensor:
 
 
 def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | None = None,
-            measure: bool = False, **kwargs: Any) -> Report:
+            measure: bool = False, compiler: str | None = None, **kwargs: Any) -> Report:
     """Compile a copy of `model` with `policy`, run one training step on (args, kwargs), and report
     per block the saved bytes, the recomputed ops and FLOPs, every saved tensor, the predicted peak
-    (and the measured one, with eager's beside it, when `measure=True`). The model is not changed."""
-    # The eager inner compiler: it plans every time (no compiled-graph cache), in seconds. Inductor's
-    # fusion can only keep the peak lower than this plan's.
-    options = Options(policy=policies.parse(policy), compiler="eager")
+    (and the measured one, with eager's beside it, when `measure=True`). `compiler` is the inner
+    compiler to plan for (default: the backend's, CKPT_FX_COMPILER or Inductor); the plans differ
+    (under Inductor torch's min-cut decides what the policy leaves open).
+
+    The model is not changed, and the process is left as it was: the random number generators'
+    states are restored, and no compiled model is reset (explain compiles a fresh function of its
+    own, so dynamo's caches for the user's models are untouched)."""
+    options = Options(policy=policies.parse(policy), **Options.merged({"compiler": compiler} if compiler else {}))
     name = policies.policy_name(options.policy)
     backend = CkptBackend(options)
     joints: list[torch.fx.GraphModule] = []
@@ -97,36 +105,50 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
 
     backend.partition = partition  # type: ignore[method-assign]
     work = copy.deepcopy(model)
-    compiled = torch.compile(work, backend=backend)
+    compiled = torch.compile(_fresh_function(lambda *a, **k: work(*a, **k)), backend=backend)
 
     def step(fn) -> None:
         torch.manual_seed(0)
         training_loss(fn(*args, **kwargs)).backward()
 
-    try:
+    import torch._inductor.config as inductor_config
+
+    device = next((p.device for p in work.parameters()), torch.device("cpu"))
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    # A plan served from Inductor's FX graph cache would not be made again: nothing to report.
+    with torch.random.fork_rng(devices=cuda), inductor_config.patch(fx_graph_cache=False):
         step(compiled)
         measured = eager = None
         if measure:
             for p in work.parameters():
                 p.grad = None
-            device = next((p.device for p in work.parameters()), torch.device("cpu"))
             measured = peak_bytes(lambda: step(compiled), device=device)
             plain = copy.deepcopy(model)
             step(plain)
             for p in plain.parameters():
                 p.grad = None
             eager = peak_bytes(lambda: step(plain), device=device)
-    finally:
-        torch._dynamo.reset()
     plans = tuple(backend.plans)
     return Report(
         policy=name,
         plans=plans,
         predicted_peak_bytes=step_peak_bytes(plans),
+        compiler=options.compiler,
         measured_peak_bytes=measured,
         eager_peak_bytes=eager,
         warnings=tuple(_pitfalls(name, plans, joints)),
     )
+
+
+_calls = itertools.count()
+
+
+def _fresh_function(fn):
+    """`fn` with a code object of its own: dynamo keeps its compiled graphs per code object, so
+    explain's compiles neither add to a user's model's cache (and its recompile limit) nor need a
+    torch._dynamo.reset() that would discard the user's compiled models."""
+    code = fn.__code__.replace(co_name=f"ckpt_fx_explain_{next(_calls)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _pitfalls(name: str, plans: tuple[Plan, ...], joints: list[torch.fx.GraphModule]) -> list[str]:

@@ -56,3 +56,29 @@ def test_tiny_regions_warn_that_recompute_costs_more_than_it_saves():
     assert any("to keep out only" in w for w in report.warnings)
     model, ids = small()
     assert not any("to keep out only" in w for w in ckpt_fx.explain(model, ids, ids, policy="blocks").warnings)
+
+
+def test_explain_leaves_the_process_as_it_found_it():
+    """explain() neither resets dynamo (a model the user compiled stays compiled: no second
+    compile) nor moves the random number generator; it says which inner compiler it planned for."""
+    from ckpt_fx.models import build
+
+    torch.manual_seed(0)
+    user_model = build("gpt", layers=2, dim=32, heads=2)
+    ids = torch.randint(0, 1000, (2, 16))
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    user_compiled = torch.compile(user_model, backend=counting)
+    user_compiled(ids, ids)
+    assert len(compiles) == 1
+    other = build("gpt", layers=2, dim=32, heads=2)
+    state = torch.get_rng_state()
+    report = ckpt_fx.explain(other, ids, ids, policy="blocks", compiler="eager")
+    assert torch.equal(torch.get_rng_state(), state)
+    user_compiled(ids, ids)
+    assert len(compiles) == 1, "explain() discarded the user's compiled model"
+    assert report.compiler == "eager" and "inner compiler eager" in str(report) and report.plans
