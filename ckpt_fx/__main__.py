@@ -10,12 +10,19 @@ import statistics
 import sys
 import time
 
-import torch
-
 
 class _Parser(argparse.ArgumentParser):
+    """One clear line on a bad argument; every option's help shows its default. --help imports no
+    torch, so it answers at once."""
+
     def error(self, message: str) -> None:  # one clear line, no usage dump
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def add_argument(self, *args, **kwargs):
+        default = kwargs.get("default")
+        if args and str(args[0]).startswith("--") and default not in (None, False):
+            kwargs["help"] = f"{kwargs.get('help') or ''} (default: {default})".strip()
+        return super().add_argument(*args, **kwargs)
 
 
 def _progress(label: str) -> None:
@@ -23,6 +30,8 @@ def _progress(label: str) -> None:
 
 
 def demo(args: argparse.Namespace) -> int:
+    import torch
+
     import ckpt_fx
     from ckpt_fx.models import build
 
@@ -73,6 +82,8 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    import torch
+
     from ckpt_fx import bench as b
 
     setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else b.DEFAULT_SETUPS
@@ -107,6 +118,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def solvers(args: argparse.Namespace) -> int:
+    import torch
+
     from ckpt_fx import bench as b
 
     try:
@@ -162,6 +175,10 @@ def _model_options(p: argparse.ArgumentParser, *, model: str, layers: int) -> No
     p.add_argument("--seq", type=int, default=256)
 
 
+POLICY_HELP = ('"blocks", "blocks:N", "blocks:every=N,skip_first=K", "segments:N", "sqrt", "selective", '
+               '"budget:0.3", "budget:2GiB", "none", "graph" (README, Policies)')
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m ckpt_fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -173,13 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--seq", type=int, default=256)
     d.add_argument("--steps", type=int, default=3)
-    d.add_argument("--policy", default="blocks")
+    d.add_argument("--policy", default="blocks", help=POLICY_HELP)
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     d.add_argument("--json", help="also write the results to this file")
     d.set_defaults(run=demo)
     e = sub.add_parser("explain", help="what a policy saves and recomputes, block by block")
     _model_options(e, model="gpt2", layers=12)
-    e.add_argument("--policy", default="blocks")
+    e.add_argument("--policy", default="blocks", help=POLICY_HELP)
     e.add_argument("--measure", action="store_true", help="also measure the peak, with and without checkpointing")
     e.add_argument("--compiler", choices=("inductor", "eager"), default=None,
                    help="inner compiler to plan for (default: CKPT_FX_COMPILER, else inductor)")
