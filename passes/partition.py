@@ -67,6 +67,9 @@ def partition_pass(
 # not see the difference). Running the same CSE before regions and select instead, so that a
 # merged node is one value read by several units, measured 27.5 MB: what it merges is not (only)
 # values of several blocks. So a plan with recomputes is partitioned without it; a plan without
-# (`none`) keeps torch's setting and stays exactly Inductor's own partition. The cost: on GPT-2
+# (`none`) keeps torch's setting and stays exactly Inductor's own partition. min-cut's CSE replaces
+# joint.graph, so a budget's candidates, planned after one with nothing recomputed (and after
+# torch's own plan), are partitioned from the CSE'd graph: that is what the budget tables in the
+# README measured. The cost: on GPT-2
 # 6x384 `selective` keeps 120.3 MB where torch's op-level selective checkpointing (with CSE)
 # keeps 118.3 MB.
