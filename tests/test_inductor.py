@@ -92,14 +92,28 @@ def test_inductor_is_the_default_compiler_and_debug_picks_eager(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def inductor_rows():
-    """A small GPT under Inductor alone, torch's knob and our plans, measured side by side."""
+def inductor_rows(tmp_path_factory):
+    """A small GPT under Inductor alone, torch's knob and our plans, measured side by side (in a
+    kernel cache of its own: another process compiling the same kernels cannot interfere)."""
+    import os
+
     from ckpt_fx import bench
 
-    workload = bench.builtin_workload("gpt", layers=3, dim=128, heads=4, batch=4, seq=256)
-    setups = ("inductor", "ckpt-inductor:none", "ckpt-inductor:blocks:every=1,skip_first=0", "inductor-budget:0.5",
-              "ckpt-inductor:budget:0.5", "ckpt-inductor:selective")
-    return {r.setup: r for r in bench.run(workload, setups, steps=1)}
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    try:
+        workload = bench.builtin_workload("gpt", layers=3, dim=128, heads=4, batch=4, seq=256)
+        setups = ("inductor", "ckpt-inductor:none", "ckpt-inductor:blocks:every=1,skip_first=0",
+                  "inductor-budget:0.5", "ckpt-inductor:budget:0.5", "ckpt-inductor:selective")
+        rows = {r.setup: r for r in bench.run(workload, setups, steps=1)}
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    for r in rows.values():
+        assert r.error is None, r  # a setup that failed to compile fails here, with its error
+    return rows
 
 
 def test_none_under_inductor_is_inductors_own_partition(inductor_rows):
