@@ -80,18 +80,26 @@ def _units(unit_of: Callable[[Block], Hashable | None]) -> Callable[[NodeInfo], 
     return policy
 
 
+def _skipped(block: Block, skip_first: int) -> bool:
+    """One of the first skip_first units, and not a heavy one (Note [What skip_first skips])."""
+    return block.number < skip_first and not block.heavy
+
+
 def blocks(*, every: int = 1, skip_first: int = 1) -> Policy:
-    """Checkpoint block i when i >= skip_first and i % every == 0 (i counts all blocks from 0).
+    """Checkpoint block i when i % every == 0, except the first skip_first blocks (i counts all
+    blocks from 0).
 
     every=1 checkpoints every block after the first skip_first; every=4 is the familiar
-    `if i > 0 and i % 4 == 0: checkpoint(layer)` loop.
+    `if i > 0 and i % 4 == 0: checkpoint(layer)` loop. A skipped block that computes more than
+    twice the median block's activations (a vision model's first stage, at full resolution) is
+    checkpointed all the same (Note [What skip_first skips] in passes/regions.py).
     """
     every = _int("every", every, minimum=1, factory="blocks")
     skip_first = _int("skip_first", skip_first, minimum=0, factory="blocks")
 
     def unit_of(block: Block) -> Hashable | None:
         i = block.number
-        return i if i >= skip_first and i % every == 0 else None
+        return i if not _skipped(block, skip_first) and i % every == 0 else None
 
     return _named(_units(unit_of), f"blocks(every={every}, skip_first={skip_first})")
 
@@ -105,7 +113,7 @@ def segments(*, size: int, skip_first: int = 0) -> Policy:
     skip_first = _int("skip_first", skip_first, minimum=0, factory="segments")
 
     def unit_of(block: Block) -> Hashable | None:
-        if block.number < skip_first:
+        if _skipped(block, skip_first):
             return None
         return (block.stack, (block.index - min(skip_first, block.index)) // size)
 
@@ -117,7 +125,7 @@ def sqrt(*, skip_first: int = 0) -> Policy:
     skip_first = _int("skip_first", skip_first, minimum=0, factory="sqrt")
 
     def unit_of(block: Block) -> Hashable | None:
-        if block.number < skip_first:
+        if _skipped(block, skip_first):
             return None
         size = max(1, round(math.sqrt(block.stack_len)))
         return (block.stack, (block.index - min(skip_first, block.index)) // size)
@@ -200,7 +208,7 @@ def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_fir
         return any(fnmatch.fnmatchcase(info.module_path, p) or fnmatch.fnmatchcase(info.module_path, p + ".*") for p in patterns)
 
     def policy(info: NodeInfo) -> CheckpointPolicy:
-        if info.region != "block" or info.block is None or info.block.number < skip_first:
+        if info.region != "block" or info.block is None or _skipped(info.block, skip_first):
             return SAVE
         for user in info.user_blocks:
             if user is None or user != info.block:

@@ -216,7 +216,7 @@ def memory_pass(
             SavedTensor(
                 name=node.name,
                 module_path=node.meta.get(PATH_KEY, ""),
-                block=region.block.path if region is not None and region.block is not None else None,
+                block=region.block.name if region is not None and region.block is not None else None,
                 op=str(node.target) if node.op == "call_function" else node.op,
                 shape=tuple(size_at(d, sizes) if sizes else size_hint(d) for d in value.shape),
                 dtype=value.dtype,
@@ -267,7 +267,7 @@ def memory_pass(
         flops += f
         region = node.meta.get(REGION_KEY)
         if region is not None and region.block is not None:
-            entry = per_block.setdefault(region.block.path, [0, 0, 0, 0])
+            entry = per_block.setdefault(region.block.name, [0, 0, 0, 0])
             entry[1] += 1
             entry[2] += f
             entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"), sizes)
@@ -308,7 +308,7 @@ def _held_outputs(outputs: list[torch.fx.Node], checkpointed: set[str], sizes: d
         while is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
             base = base.args[0]
         region = base.meta.get(REGION_KEY)
-        if region is None or region.block is None or region.block.path not in checkpointed or base in held:
+        if region is None or region.block is None or region.block.name not in checkpointed or base in held:
             continue
         inside = [u for u in base.users if u.op != "output" and getattr(u.meta.get(REGION_KEY), "block", None) == region.block]
         if inside and any(not is_view(u) or u not in outputs for u in inside):

@@ -102,7 +102,7 @@ def run(
                 forward_names=forward_names,
                 hard_rules=forced,
                 top_level_units=region_map.top_level_units,
-                block_paths=tuple(b.path for b in region_map.blocks),
+                block_paths=tuple(b.name for b in region_map.blocks),
                 static_input_indices=static_lifetime_input_indices,
                 fused=partitioner == "min_cut",
             ),

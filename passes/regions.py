@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from passes._compat import is_primal, is_tangent
+from passes.costs import is_view, tensor_bytes
 from passes.warn import warn_user
 
 REGION_KEY = "ckpt_fx.region"
@@ -22,15 +23,34 @@ PATH_KEY = "ckpt_fx.module_path"
 # integers and are instances of one class: HF's model.layers.N, transformer.h.N, encoder.layer.N,
 # blocks.N, or a plain nn.Sequential at the top. A model may have several stacks (an encoder and a
 # decoder). One member seen is enough: a graph that DDP split at a bucket boundary, or that a
-# graph break cut, may hold a single block of a stack. A stack nested inside a member of another
-# (experts inside a block) is not a stack of its own. Blocks are numbered by their index in the
+# graph break cut, may hold a single block of a stack. Blocks are numbered by their index in the
 # path, stacks following each other in the order the forward first reaches them.
 # A model with no stack uses its top-level children as units, and says so once.
+#
+# Note [Nested stacks]
+# A stack inside a member of another is one of two things. Experts inside a block run side by side:
+# each reads the block's routed input, none reads another's output; they belong to their block. The
+# blocks inside a vision model's stages (Swin's encoder.layers.N.blocks.M, ConvNeXt's and ResNet's
+# encoder.stages.N.layers.M) run in sequence: block M+1 reads block M's output. Taking the stages
+# as units would leave a whole stage (the first at full resolution, skipped by skip_first) with
+# everything saved; so an inner stack whose members run in sequence replaces the outer one, and its
+# members are the units. What a stage runs outside its blocks (a downsampling layer) joins the
+# unit before it in the same stage, or the one after when it comes first. This goes one level
+# down only: the layers inside a block (ResNet's block.layer.K, its convolutions) run in sequence
+# too, and are not units.
+#
+# Note [Calls as units]
+# A module called several times in one forward (ALBERT's shared layer group run N times, an
+# unrolled RNN cell, a weight-tied layer) is several units: one per call. Dynamo marks the k-th call
+# of a module in nn_module_stack's key with "@k"; a unit is (module path, call). The units of a
+# stack with a repeated member are numbered in forward order (the path alone cannot tell them
+# apart); otherwise by the index in the path, as above.
 
 
 @dataclass(frozen=True, kw_only=True)
 class Block:
-    """One checkpointable unit: a member of a stack, or a top-level child when there is no stack."""
+    """One checkpointable unit: a member of a stack (one call of it), or a top-level child when
+    there is no stack."""
 
     path: str
     """Module path of the unit, e.g. "transformer.h.3"."""
@@ -43,6 +63,28 @@ class Block:
     number: int
     """Position among all units of the model, from 0: its index plus the lengths of the stacks
     before it in this graph."""
+    call: int = 0
+    """Which call of the module at `path` this unit is, from 0 (Note [Calls as units])."""
+    calls: int = 1
+    """How many times the module at `path` is called in this graph."""
+    activation_bytes: int = 0
+    """Bytes of the values the unit computes (views excluded): what checkpointing it can keep out."""
+    heavy: bool = False
+    """The unit computes more than HEAVY_RATIO times the median unit's activation bytes (a first
+    stage at full resolution); skip_first does not skip it (Note [What skip_first skips])."""
+
+    @property
+    def name(self) -> str:
+        """The unit's name in plans and reports: its path, with "#k" when the module runs more than once."""
+        return f"{self.path} #{self.call}" if self.calls > 1 else self.path
+
+
+# Note [What skip_first skips]
+# The advice to leave the first layer (and the embedding) unrecomputed is about units whose
+# recompute keeps out little next to the time it costs. A unit that computes several times what a
+# typical unit does (the first stage of a vision model, at full resolution) is the opposite: it
+# holds most of the activations. So skip_first leaves out the first units except the heavy ones.
+HEAVY_RATIO = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +107,9 @@ class RegionMap:
     """Module paths of the detected stacks, in forward order."""
     top_level_units: bool
     """True when no stack was found and top-level children serve as units."""
+    nested_in: tuple[str, ...] = ()
+    """Stacks whose members hold stacks of blocks run in sequence: their inner blocks are the
+    units (Note [Nested stacks])."""
 
 
 _GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")
@@ -72,6 +117,7 @@ _MODULES = re.compile(r"(?:^|\.)_modules\[['\"]([^'\"]+)['\"]\]")
 _INDEX = re.compile(r"\[(\d+)\]")
 # The frame's module: L['self'], or L['args'][0] when a decorator takes (*args, **kwargs).
 _ROOT = re.compile(r"^(L\[['\"][^'\"]+['\"]\](\[\d+\])*|self)(\.|$)")
+_CALL = re.compile(r"@(\d+)$")
 
 
 def normalize_module_path(path: str) -> str:
@@ -87,11 +133,18 @@ def normalize_module_path(path: str) -> str:
 
 def module_stack(node: torch.fx.Node) -> list[tuple[str, type | str]]:
     """The (path, class) pairs enclosing a node, outermost first; empty when unknown."""
+    return [(path, cls) for path, cls, _ in module_calls(node)]
+
+
+def module_calls(node: torch.fx.Node) -> list[tuple[str, type | str, int]]:
+    """The (path, class, call) triples enclosing a node, outermost first: `call` counts the calls
+    of that module before this one in the graph (Note [Calls as units])."""
     stack = node.meta.get("nn_module_stack") or {}
     out = []
-    for value in stack.values():
+    for key, value in stack.items():
         path, cls = value if isinstance(value, tuple) else (value, "")
-        out.append((normalize_module_path(str(path)), cls))
+        match = _CALL.search(str(key))
+        out.append((normalize_module_path(str(path)), cls, int(match.group(1)) if match else 0))
     return out
 
 
@@ -127,6 +180,9 @@ def forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return out
 
 
+Unit = tuple[str, int]  # (module path, call)
+
+
 def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
     """Write a Region and a module path into node.meta of every forward node of a joint graph.
 
@@ -135,37 +191,31 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
     Mutates node.meta only (keys REGION_KEY, PATH_KEY); keeps nodes and names; deterministic.
     """
     fwd = forward_nodes(gm.graph)
-    stacks_of = {node: module_stack(node) for node in fwd}
+    calls_of = {node: module_calls(node) for node in fwd}
 
     # Children named by integers, grouped by parent path, with their classes (Note [Stacks]).
     children: dict[str, dict[int, set[str]]] = {}
-    first_seen: dict[str, int] = {}
-    for order, node in enumerate(fwd):
-        for path, cls in stacks_of[node]:
+    for node in fwd:
+        for path, cls, _ in calls_of[node]:
             parent, _, last = path.rpartition(".")
             if last.isdigit():
                 children.setdefault(parent, {}).setdefault(int(last), set()).add(_class_name(cls))
-                first_seen.setdefault(path, order)
-    candidates = []
-    for parent, members in children.items():
-        classes = {c for cs in members.values() for c in cs}
-        if len(classes) == 1:  # one member is enough: a graph split by DDP or a break may hold one
-            candidates.append(parent)
-    # Drop stacks nested inside a member of another stack.
-    stacks = [s for s in candidates if not any(o != s and _inside_member(s, o) for o in candidates)]
+    candidates = [parent for parent, members in children.items()
+                  if len({c for cs in members.values() for c in cs}) == 1]  # one member is enough
+    stacks, nested_in = _unit_stacks(candidates, fwd, calls_of)
 
-    def unit_path(path_stack: list[tuple[str, type | str]]) -> str | None:
-        for path, _ in path_stack:
+    def unit_of_stack(triples: list[tuple[str, type | str, int]]) -> Unit | None:
+        for path, _, call in reversed(triples):  # innermost: a kept stack may sit inside another's member
             parent, _, last = path.rpartition(".")
             if last.isdigit() and parent in stacks:
-                return path
+                return path, call
         return None
 
     top_level = False
     if not stacks:
         tops = []
         for node in fwd:
-            st = stacks_of[node]
+            st = calls_of[node]
             if st and st[0][0] and not _is_embedding(st[0][1]):
                 top = st[0][0].split(".")[0]
                 if top not in tops:
@@ -178,46 +228,64 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
                 "(FSDP2's fully_shard per block, torch.compile per block), use policy=\"graph\""
             )
 
-    # Number units in forward order.
-    order: list[str] = []
-    unit_of: dict[torch.fx.Node, str | None] = {}
+    unit_of: dict[torch.fx.Node, Unit | None] = {}
     for node in fwd:
-        st = stacks_of[node]
+        st = calls_of[node]
         if top_level:
-            unit = st[0][0].split(".")[0] if st and st[0][0] and not _is_embedding(st[0][1]) else None
+            unit_of[node] = (st[0][0].split(".")[0], 0) if st and st[0][0] and not _is_embedding(st[0][1]) else None
         else:
-            unit = unit_path(st)
-        unit_of[node] = unit
-        if unit is not None and unit not in order:
-            order.append(unit)
+            unit_of[node] = unit_of_stack(st)
+    _join_stage_leftovers(fwd, calls_of, unit_of, nested_in)
+
+    order = list(dict.fromkeys(u for node in fwd if (u := unit_of[node]) is not None))
+    calls = Counter(path for path, _ in order)
+    stack_of = {u: "" if top_level else u[0].rpartition(".")[0] for u in order}
+    repeated = {stack_of[u] for u in order if calls[u[0]] > 1}
     # A member's index comes from its path, so a graph that starts mid-stack (after a graph
-    # break) still numbers its blocks as the model does.
-    index_of: dict[str, int] = {}
+    # break) still numbers its blocks as the model does; a stack with a repeated member counts
+    # its units in forward order (Note [Calls as units]).
+    index_of: dict[Unit, int] = {}
     stack_len: dict[str, int] = {}
     for position, unit in enumerate(order):
-        stack, _, last = unit.rpartition(".")
-        stack = "" if top_level else stack
-        index_of[unit] = position if top_level else int(last)
+        stack = stack_of[unit]
+        if top_level:
+            index_of[unit] = position
+        elif stack in repeated:
+            index_of[unit] = sum(1 for u in order[:position] if stack_of[u] == stack)
+        else:
+            index_of[unit] = int(unit[0].rpartition(".")[2])
         stack_len[stack] = max(stack_len.get(stack, 0), index_of[unit] + 1)
     offsets: dict[str, int] = {}
     for stack in stack_len:
         offsets[stack] = sum(stack_len[s] for s in offsets)
-    blocks = {}
-    for unit in order:
-        stack = "" if top_level else unit.rpartition(".")[0]
-        blocks[unit] = Block(
-            path=unit,
-            stack=stack,
+
+    weight: Counter[Unit] = Counter()
+    for node in fwd:
+        value = node.meta.get("val")
+        if unit_of[node] is not None and node.op == "call_function" and not is_view(node):
+            weight[unit_of[node]] += tensor_bytes(value)
+    weights = sorted(weight[u] for u in order)
+    median = weights[len(weights) // 2] if weights else 0
+    blocks = {
+        unit: Block(
+            path=unit[0],
+            stack=stack_of[unit],
             index=index_of[unit],
-            stack_len=stack_len[stack],
-            number=offsets[stack] + index_of[unit],
+            stack_len=stack_len[stack_of[unit]],
+            number=offsets[stack_of[unit]] + index_of[unit],
+            call=unit[1],
+            calls=calls[unit[0]],
+            activation_bytes=weight[unit],
+            heavy=len(order) > 2 and weight[unit] > HEAVY_RATIO * median,
         )
+        for unit in order
+    }
 
     for node in gm.graph.nodes:
         node.meta.pop(REGION_KEY, None)
         node.meta.pop(PATH_KEY, None)
     for node in fwd:
-        st = stacks_of[node]
+        st = calls_of[node]
         node.meta[PATH_KEY] = st[-1][0] if st else ""
         if node.op == "placeholder":
             continue
@@ -232,7 +300,81 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
         blocks=tuple(blocks[u] for u in order),
         stacks=tuple(dict.fromkeys(b.stack for b in blocks.values())) if not top_level else (),
         top_level_units=top_level,
+        nested_in=nested_in,
     )
+
+
+def _unit_stacks(
+    candidates: list[str], fwd: list[torch.fx.Node], calls_of: dict[torch.fx.Node, list[tuple[str, type | str, int]]]
+) -> tuple[list[str], tuple[str, ...]]:
+    """The stacks whose members are units, and the outer stacks they replaced (Note [Nested stacks])."""
+
+    def parent_of(stack: str) -> str | None:
+        outer = [o for o in candidates if o != stack and _inside_member(stack, o)]
+        return max(outer, key=len) if outer else None
+
+    parent = {s: parent_of(s) for s in candidates}
+    # One level down: the blocks of a stage, not the layers inside a block (ResNet's
+    # stages.N.layers.M.layer.K are a block's convolutions, run in sequence too).
+    sequential = {s for s in candidates if (p := parent[s]) is not None and parent[p] is None and _in_sequence(s, fwd, calls_of)}
+
+    def active(stack: str) -> bool:
+        p = parent[stack]
+        return p is None or (stack in sequential and active(p))
+
+    descended = {p for s in candidates if active(s) and (p := parent[s]) is not None}
+    kept = [s for s in candidates if active(s) and s not in descended]
+    return kept, tuple(s for s in candidates if s in descended)
+
+
+def _in_sequence(stack: str, fwd: list[torch.fx.Node], calls_of: dict[torch.fx.Node, list[tuple[str, type | str, int]]]) -> bool:
+    """True when a member of `stack` reads a value computed by the member before it in the same
+    call of the enclosing module: blocks run in sequence, not experts side by side."""
+    prefix = stack + "."
+    member_of: dict[torch.fx.Node, tuple[tuple[str, int], int]] = {}
+    for node in fwd:
+        enclosing = None
+        for path, _, call in calls_of[node]:
+            if path.startswith(prefix) and path[len(prefix):].isdigit():
+                member_of[node] = (enclosing or ("", 0), int(path[len(prefix):]))
+                break
+            enclosing = (path, call)
+    for node, (outer, index) in member_of.items():
+        for arg in node.all_input_nodes:
+            if member_of.get(arg) == (outer, index - 1):
+                return True
+    return False
+
+
+def _join_stage_leftovers(
+    fwd: list[torch.fx.Node],
+    calls_of: dict[torch.fx.Node, list[tuple[str, type | str, int]]],
+    unit_of: dict[torch.fx.Node, Unit | None],
+    nested_in: tuple[str, ...],
+) -> None:
+    """Give the nodes of a stage outside its blocks (a downsampling layer) to the unit before them
+    in the same stage, or after them when they come first (Note [Nested stacks])."""
+    if not nested_in:
+        return
+
+    def stage(node: torch.fx.Node) -> Unit | None:
+        for path, _, call in calls_of[node]:
+            parent, _, last = path.rpartition(".")
+            if last.isdigit() and parent in nested_in:
+                return path, call
+        return None
+
+    stage_of = {node: stage(node) for node in fwd}
+    for sweep in (fwd, list(reversed(fwd))):
+        last: dict[Unit, Unit] = {}
+        for node in sweep:
+            s = stage_of[node]
+            if s is None or node.op == "placeholder":
+                continue
+            if unit_of[node] is not None:
+                last[s] = unit_of[node]
+            elif s in last:
+                unit_of[node] = last[s]
 
 
 def _inside_member(inner: str, outer: str) -> bool:

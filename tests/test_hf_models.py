@@ -170,3 +170,57 @@ def test_a_kv_cache_left_on_is_named_once_with_its_size_and_the_fix():
         torch.compile(model, backend=quiet)(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert not [w for w in record if "KV cache" in str(w.message)]
     assert not quiet.plans[0].held_outputs
+
+
+def swin():
+    cfg = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[2, 2, 2], num_heads=[1, 2, 4],
+                                  window_size=4, num_labels=10)
+    return transformers.SwinForImageClassification(cfg)
+
+
+def albert():
+    cfg = transformers.AlbertConfig(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+                                    num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    return transformers.AlbertForMaskedLM(cfg)
+
+
+def resnet():
+    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[16, 32], depths=[2, 2], layer_type="basic", num_labels=10)
+    return transformers.ResNetForImageClassification(cfg)
+
+
+@pytest.mark.parametrize("build, kind, units", [
+    # Note [Nested stacks]: the blocks inside Swin's and ResNet's stages are the units.
+    (swin, "image", ["swin.encoder.layers.0.blocks.0", "swin.encoder.layers.0.blocks.1", "swin.encoder.layers.1.blocks.0",
+                     "swin.encoder.layers.1.blocks.1", "swin.encoder.layers.2.blocks.0", "swin.encoder.layers.2.blocks.1"]),
+    (resnet, "image", ["resnet.encoder.stages.0.layers.0", "resnet.encoder.stages.0.layers.1",
+                       "resnet.encoder.stages.1.layers.0", "resnet.encoder.stages.1.layers.1"]),
+    # Note [Calls as units]: ALBERT's one shared layer group, run four times, is four units.
+    (albert, "tokens", [f"albert.encoder.albert_layer_groups.0 #{k}" for k in range(4)]),
+])
+def test_stages_and_shared_layers_are_units_and_gradients_are_bitwise(build, kind, units):
+    """Nested stacks and a module called several times: the units are the blocks and the calls;
+    gradients (and BatchNorm's running statistics) equal eager's bitwise."""
+    torch.manual_seed(0)
+    model = build().train()
+    if kind == "image":
+        inputs = dict(pixel_values=torch.randn(2, 3, 64, 64), labels=torch.tensor([1, 2]))
+    else:
+        ids = torch.randint(0, 128, (2, 16))
+        inputs = dict(input_ids=ids, labels=ids)
+
+    def step(fn, m):
+        torch.manual_seed(5)
+        fn(**inputs).loss.backward()
+        return [p.grad for p in m.parameters()], [b.clone() for b in m.buffers()]
+
+    eager_model = copy.deepcopy(model)
+    grads_ref, buffers_ref = step(eager_model, eager_model)
+    b = ckpt_fx.backend(policy="blocks", strict=True, compiler="eager")
+    grads, buffers = step(torch.compile(model, backend=b), model)
+    for g, r in zip(grads, grads_ref):
+        assert (g is None) == (r is None) and (g is None or torch.equal(g, r))
+    assert all(torch.equal(x, y) for x, y in zip(buffers, buffers_ref))
+    blocks = [bp for plan in b.plans for bp in plan.blocks]
+    assert [bp.path for bp in blocks] == units
+    assert all(bp.recomputed_ops > 0 for bp in blocks[1:])

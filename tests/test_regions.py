@@ -17,14 +17,24 @@ class Expert(nn.Module):
     pass
 
 
-def graph_of(paths: list[list[tuple[str, type]]]) -> torch.fx.GraphModule:
-    """A chain of relu nodes, node i inside the module stack paths[i] (outermost first)."""
+class Stage(nn.Module):
+    pass
+
+
+def graph_of(paths: list[list[tuple[str, type]]], reads: dict[int, tuple[int, ...]] | None = None,
+             calls: dict[int, dict[int, int]] | None = None) -> torch.fx.GraphModule:
+    """Node i inside the module stack paths[i] (outermost first). Node i reads node i-1 (a chain;
+    -1 is the input) unless reads[i] names the nodes it adds up; calls[i][j] marks the j-th module
+    of node i's stack as that module's calls[i][j]-th call, as dynamo's "@k" key suffix does."""
     g = torch.fx.Graph()
-    x = g.placeholder("x")
+    nodes = [g.placeholder("x")]
     for i, stack in enumerate(paths):
-        x = g.call_function(torch.relu, (x,))
-        x.meta["nn_module_stack"] = {f"k{i}_{j}": (p, c) for j, (p, c) in enumerate(stack)}
-    g.output(x)
+        args = [nodes[k + 1] for k in (reads or {}).get(i, (i - 1,))]
+        x = g.call_function(torch.relu, (args[0],)) if len(args) == 1 else g.call_function(torch.add, tuple(args))
+        call = (calls or {}).get(i, {})
+        x.meta["nn_module_stack"] = {f"k{i}_{j}" + (f"@{call[j]}" if call.get(j) else ""): (p, c) for j, (p, c) in enumerate(stack)}
+        nodes.append(x)
+    g.output(nodes[-1])
     return torch.fx.GraphModule(nn.Module(), g)
 
 
@@ -79,14 +89,61 @@ def test_encoder_and_decoder_are_two_stacks_numbered_in_forward_order():
 
 
 def test_stack_nested_in_a_block_is_not_a_stack():
-    """Experts inside a block belong to that block."""
+    """Experts inside a block run side by side (each reads the block's input, none another
+    expert's output): they belong to their block."""
     gm = graph_of([
-        [("layers.0", Blk), ("layers.0.experts.0", Expert)], [("layers.0", Blk), ("layers.0.experts.1", Expert)],
+        [("layers.0", Blk)], [("layers.0", Blk), ("layers.0.experts.0", Expert)], [("layers.0", Blk), ("layers.0.experts.1", Expert)],
+        [("layers.0", Blk)],
         [("layers.1", Blk), ("layers.1.experts.0", Expert)], [("layers.1", Blk), ("layers.1.experts.1", Expert)],
+        [("layers.1", Blk)],
+    ], reads={1: (0,), 2: (0,), 3: (1, 2), 4: (3,), 5: (3,), 6: (4, 5)})
+    found = regions_pass(gm)
+    assert found.stacks == ("layers",) and found.nested_in == ()
+    assert [r.block.path for r in regions(gm)] == ["layers.0"] * 4 + ["layers.1"] * 3
+
+
+def test_blocks_run_in_sequence_inside_stages_are_the_units():
+    """Note [Nested stacks]: blocks inside stages, each reading the one before, are the units; a
+    stage's downsampling joins the block before it in its stage (or after, when it comes first)."""
+    gm = graph_of([
+        [("stages.0", Stage), ("stages.0.layers.0", Blk)], [("stages.0", Stage), ("stages.0.layers.1", Blk)],
+        [("stages.0", Stage), ("stages.0.down", nn.Conv2d)],
+        [("stages.1", Stage), ("stages.1.down", nn.Conv2d)],
+        [("stages.1", Stage), ("stages.1.layers.0", Blk)], [("stages.1", Stage), ("stages.1.layers.1", Blk)],
+        [("stages.1", Stage), ("stages.1.layers.2", Blk)],
     ])
     found = regions_pass(gm)
-    assert found.stacks == ("layers",)
-    assert [r.block.path for r in regions(gm)] == ["layers.0", "layers.0", "layers.1", "layers.1"]
+    assert found.nested_in == ("stages",) and found.stacks == ("stages.0.layers", "stages.1.layers")
+    assert [r.block.path for r in regions(gm)] == [
+        "stages.0.layers.0", "stages.0.layers.1", "stages.0.layers.1", "stages.1.layers.0", "stages.1.layers.0",
+        "stages.1.layers.1", "stages.1.layers.2"]
+    assert [(b.index, b.number, b.stack_len) for b in found.blocks] == [(0, 0, 2), (1, 1, 2), (0, 2, 3), (1, 3, 3), (2, 4, 3)]
+
+
+def test_a_module_called_several_times_is_one_unit_per_call():
+    """Note [Calls as units]: ALBERT's one layer group run three times makes three units,
+    numbered in forward order and named with their call."""
+    stack = [("encoder.groups.0", Blk), ("encoder.groups.0.layers.0", Blk)]
+    gm = graph_of([[("embeddings", nn.Embedding)], stack, stack, stack, stack],
+                  calls={2: {0: 1, 1: 1}, 3: {0: 2, 1: 2}, 4: {0: 2, 1: 2}})
+    found = regions_pass(gm)
+    assert found.stacks == ("encoder.groups",)
+    assert [(b.name, b.index, b.number, b.stack_len) for b in found.blocks] == [
+        ("encoder.groups.0 #0", 0, 0, 3), ("encoder.groups.0 #1", 1, 1, 3), ("encoder.groups.0 #2", 2, 2, 3)]
+    assert [r.block.call for r in regions(gm)[1:]] == [0, 1, 2, 2]
+
+
+def test_a_unit_much_larger_than_the_median_is_heavy():
+    """Note [What skip_first skips]: a unit computing over twice the median unit's bytes is heavy."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    for i, n in enumerate((64, 8, 8, 8)):
+        x = g.call_function(torch.relu, (x,))
+        x.meta["nn_module_stack"] = {"k": (f"layers.{i}", Blk)}
+        x.meta["val"] = torch.empty(n, 4)
+    g.output(x)
+    found = regions_pass(torch.fx.GraphModule(nn.Module(), g))
+    assert [(b.activation_bytes, b.heavy) for b in found.blocks] == [(1024, True), (128, False), (128, False), (128, False)]
 
 
 def test_plain_sequential_at_the_top():
