@@ -34,6 +34,8 @@ class Report:
     measured_peak_bytes: int | None = None
     eager_peak_bytes: int | None = None
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    units: tuple[str, ...] = field(default_factory=tuple)
+    """How the units were found: blocks nested in stages, calls of a shared module, heavy units."""
 
     def __str__(self) -> str:
         mb = 2**20
@@ -61,6 +63,9 @@ class Report:
         if self.eager_peak_bytes is not None:
             line += f"; eager without checkpointing: {self.eager_peak_bytes / mb:.1f} MB"
         out.append(line)
+        if self.units:
+            out.append("")
+            out.extend(f"units: {u}" for u in self.units)
         if self.warnings:
             out.append("")
             out.extend(f"warning: {w}" for w in self.warnings)
@@ -137,6 +142,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
         measured_peak_bytes=measured,
         eager_peak_bytes=eager,
         warnings=tuple(_pitfalls(name, plans, joints)),
+        units=tuple(_units(joints)),
     )
 
 
@@ -149,6 +155,31 @@ def _fresh_function(fn):
     torch._dynamo.reset() that would discard the user's compiled models."""
     code = fn.__code__.replace(co_name=f"ckpt_fx_explain_{next(_calls)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _units(joints: list[torch.fx.GraphModule]) -> list[str]:
+    """In words: which level of nested stacks gave the units, which modules ran as several units,
+    and which units skip_first does not skip (Notes [Nested stacks], [Calls as units], [What
+    skip_first skips] in passes/regions.py)."""
+    blocks = {}
+    for joint in joints:
+        for node in forward_nodes(joint.graph):
+            region = node.meta.get(REGION_KEY)
+            if region is not None and region.block is not None:
+                blocks.setdefault(region.block.name, region.block)
+    out = []
+    nested = [s for s in dict.fromkeys(b.stack for b in blocks.values()) if s.count(".") and s.rpartition(".")[0].rpartition(".")[2].isdigit()]
+    if nested:
+        out.append(f"the blocks inside stages are the units ({', '.join(nested)}): they run in sequence")
+    repeated = dict.fromkeys(b.path for b in blocks.values() if b.calls > 1)
+    for path in repeated:
+        calls = max(b.calls for b in blocks.values() if b.path == path)
+        out.append(f"{path} runs {calls} times: each call is a unit ({path} #0 .. #{calls - 1})")
+    heavy = [b.name for b in blocks.values() if b.heavy]
+    if heavy:
+        out.append(f"{len(heavy)} heavy unit(s), over twice the median unit's activations, that skip_first does "
+                   f"not skip: {', '.join(heavy[:4])}{' ...' if len(heavy) > 4 else ''}")
+    return out
 
 
 def _pitfalls(name: str, plans: tuple[Plan, ...], joints: list[torch.fx.GraphModule]) -> list[str]:

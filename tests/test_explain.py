@@ -82,3 +82,23 @@ def test_explain_leaves_the_process_as_it_found_it():
     user_compiled(ids, ids)
     assert len(compiles) == 1, "explain() discarded the user's compiled model"
     assert report.compiler == "eager" and "inner compiler eager" in str(report) and report.plans
+
+
+def test_explain_names_each_call_of_a_shared_layer_as_a_unit():
+    """Note [Calls as units]: a layer run three times reads as three units in the report."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))])
+
+        def forward(self, x):
+            for _ in range(3):
+                x = x + self.layers[0](x)
+            return x.square().mean()
+
+    report = ckpt_fx.explain(Shared(), torch.randn(8, 16), policy="blocks:every=1,skip_first=0", compiler="eager")
+    text = str(report)
+    assert "| layers.0 #0 |" in text and "| layers.0 #2 |" in text
+    assert "units: layers.0 runs 3 times: each call is a unit (layers.0 #0 .. #2)" in text
+    assert all(b.recomputed_ops > 0 for plan in report.plans for b in plan.blocks)
