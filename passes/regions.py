@@ -131,11 +131,6 @@ def normalize_module_path(path: str) -> str:
     return path.strip(".")
 
 
-def module_stack(node: torch.fx.Node) -> list[tuple[str, type | str]]:
-    """The (path, class) pairs enclosing a node, outermost first; empty when unknown."""
-    return [(path, cls) for path, cls, _ in module_calls(node)]
-
-
 def module_calls(node: torch.fx.Node) -> list[tuple[str, type | str, int]]:
     """The (path, class, call) triples enclosing a node, outermost first: `call` counts the calls
     of that module before this one in the graph (Note [Calls as units])."""
