@@ -168,7 +168,7 @@ def _units(joints: list[torch.fx.GraphModule]) -> list[str]:
             if region is not None and region.block is not None:
                 blocks.setdefault(region.block.name, region.block)
     out = []
-    nested = [s for s in dict.fromkeys(b.stack for b in blocks.values()) if s.count(".") and s.rpartition(".")[0].rpartition(".")[2].isdigit()]
+    nested = list(dict.fromkeys(b.stack for b in blocks.values() if b.in_stage))
     if nested:
         out.append(f"the blocks inside stages are the units ({', '.join(nested)}): they run in sequence")
     repeated = dict.fromkeys(b.path for b in blocks.values() if b.calls > 1)

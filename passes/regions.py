@@ -69,6 +69,9 @@ class Block:
     """How many times the module at `path` is called in this graph."""
     activation_bytes: int = 0
     """Bytes of the values the unit computes (views excluded): what checkpointing it can keep out."""
+    in_stage: bool = False
+    """Its stack lies inside a member of an outer stack (a stage) that it replaced as the units
+    (Note [Nested stacks])."""
     heavy: bool = False
     """The unit computes more than HEAVY_RATIO times the median unit's activation bytes (a first
     stage at full resolution); skip_first does not skip it (Note [What skip_first skips])."""
@@ -271,6 +274,7 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
             call=unit[1],
             calls=calls[unit[0]],
             activation_bytes=weight[unit],
+            in_stage=any(_inside_member(stack_of[unit], outer) for outer in nested_in),
             heavy=len(order) > 2 and weight[unit] > HEAVY_RATIO * median,
         )
         for unit in order

@@ -114,6 +114,7 @@ def test_blocks_run_in_sequence_inside_stages_are_the_units():
     ])
     found = regions_pass(gm)
     assert found.nested_in == ("stages",) and found.stacks == ("stages.0.layers", "stages.1.layers")
+    assert all(b.in_stage for b in found.blocks)
     assert [r.block.path for r in regions(gm)] == [
         "stages.0.layers.0", "stages.0.layers.1", "stages.0.layers.1", "stages.1.layers.0", "stages.1.layers.0",
         "stages.1.layers.1", "stages.1.layers.2"]
