@@ -1,6 +1,7 @@
 """FX graph passes for activation checkpointing. Imports torch, never ckpt_fx.
 
-The pipeline (passes.pipeline.PASSES) runs regions -> costs -> select -> partition -> schedule ->
+The pipeline (passes.pipeline.PASSES) runs dropout -> batchnorm -> regions -> costs -> select ->
+partition -> schedule ->
 memory over a joint forward/backward graph traced by AOTAutograd.
 """
 

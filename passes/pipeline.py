@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from passes.batchnorm import batchnorm_pass, fold_twins
 from passes.costs import costs_pass
 from passes.dropout import dropout_pass
 from passes.memory import Estimate, JointLiveness, Plan, memory_pass
@@ -21,7 +22,7 @@ from passes._compat import CheckpointPolicy, activation_memory_budget
 
 log = logging.getLogger("ckpt_fx")
 
-PASSES = ("dropout", "regions", "costs", "select", "partition", "schedule", "memory")
+PASSES = ("dropout", "batchnorm", "regions", "costs", "select", "partition", "schedule", "memory")
 
 
 class PassError(RuntimeError):
@@ -44,7 +45,7 @@ def run(
     strict: bool = False,
     dump: Callable[[str, str, torch.fx.GraphModule], None] | None = None,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
-    """dropout -> regions -> costs -> select -> partition -> schedule -> memory; returns (fw, bw, plan).
+    """dropout -> batchnorm -> regions -> costs -> select -> partition -> schedule -> memory; returns (fw, bw, plan).
 
     `partitioner`: "default" or "min_cut" (passes.partition, Note [Min-cut under Inductor]).
     `strict`: a memory budget no plan reaches raises instead of planning the lowest with a warning.
@@ -66,6 +67,7 @@ def run(
         return result
 
     step("dropout", lambda: dropout_pass(joint), joint)
+    step("batchnorm", lambda: batchnorm_pass(joint), joint)
     # A policy that does not look at blocks (graph(), none()) needs no warning about missing ones.
     warn = getattr(policy, "uses_blocks", True)
     region_map = step("regions", lambda: regions_pass(joint, warn=warn), joint)
@@ -87,6 +89,7 @@ def run(
             ),
             joint,
         )
+        step("batchnorm", lambda: fold_twins(fw), fw)
         recomputed = {n.name for n in bw.graph.nodes if n.name in forward_names}
         bw = step("schedule", lambda: schedule_pass(bw, recomputed=recomputed), bw)
         if dump is not None:

@@ -164,4 +164,23 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, str]:
             raise ValueError(f"policy returned {decision}; allowed: {', '.join(p.name for p in SAVE + RECOMPUTE)}")
         node.meta[RECOMPUTE_KEY] = decision
         node.meta[REASON_KEY] = "policy"
+    _recompute_tuples_of_recomputed_elements(fwd_list)
     return forced
+
+
+def _recompute_tuples_of_recomputed_elements(nodes: list[torch.fx.Node]) -> None:
+    """A multi-output node (its users all getitems) is never saved itself: rebuilding a recomputed
+    element recomputes the node. So a node with a recomputed element is marked recomputed too, or
+    torch's partitioner does not keep its inputs for the backward: a parameter the backward reads
+    nowhere else (BatchNorm's bias) is then missing, and partitioning fails."""
+    for node in nodes:
+        users = list(node.users)
+        if node.op != "call_function" or not users or node.meta.get(REASON_KEY) != "policy":
+            continue
+        if node.meta.get(RECOMPUTE_KEY) not in SAVE or not all(u.target is operator.getitem for u in users):
+            continue
+        elements = [u.meta.get(RECOMPUTE_KEY) for u in users]
+        if CheckpointPolicy.MUST_RECOMPUTE in elements:
+            node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_RECOMPUTE
+        elif CheckpointPolicy.PREFER_RECOMPUTE in elements:
+            node.meta[RECOMPUTE_KEY] = CheckpointPolicy.PREFER_RECOMPUTE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -33,6 +34,8 @@ class Spec:
     tied: bool = False  # the head reuses the embedding's weight
     frozen: bool = False  # the first block's parameters do not require grad (LoRA-style)
     recurrent: bool = False  # a tanh RNN cell unrolled over the time steps
+    stages: int = 1  # blocks nested in stages (layers.N.blocks.M), each stage half as wide as the one before
+    calls: int = 1  # each block applied this many times with its weights shared (ALBERT-style)
 
 
 class Block(nn.Module):
@@ -90,13 +93,36 @@ class Block(nn.Module):
         return x + h if s.residual else h
 
 
+class Stage(nn.Module):
+    """Blocks at one width, entered through a projection from the previous stage's width."""
+
+    def __init__(self, s: Spec, width: int, depth: int):
+        super().__init__()
+        self.down = nn.Linear(width * 2, width) if width != s.width else nn.Identity()
+        inner = dataclasses.replace(s, width=width)
+        self.blocks = nn.ModuleList(Block(inner) for _ in range(depth))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.down(h)
+        for block in self.blocks:
+            for _ in range(block.s.calls):
+                h = block(h)
+        return h
+
+
 class Net(nn.Module):
     def __init__(self, s: Spec, vocab: int = 50):
         super().__init__()
         self.embed = nn.Embedding(vocab, s.width) if s.embedding else nn.Linear(s.width, s.width)
-        self.layers = nn.ModuleList(Block(s) for _ in range(s.depth))
-        self.head = nn.Linear(s.width, vocab)
-        if s.tied and s.embedding:
+        stages = min(s.stages, s.depth)
+        if stages > 1:  # stage i holds blocks i*depth//stages .. and is width >> i wide
+            bounds = [i * s.depth // stages for i in range(stages + 1)]
+            self.layers = nn.ModuleList(Stage(s, s.width >> i, bounds[i + 1] - bounds[i]) for i in range(stages))
+        else:
+            self.layers = nn.ModuleList(Block(s) for _ in range(s.depth))
+        last = s.width >> (stages - 1)
+        self.head = nn.Linear(last, vocab)
+        if s.tied and s.embedding and last == s.width:
             self.head.weight = self.embed.weight
         if s.frozen:
             self.layers[0].requires_grad_(False)
@@ -104,7 +130,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
         for layer in self.layers:
-            h = layer(h)
+            for _ in range(1 if isinstance(layer, Stage) else layer.s.calls):  # a stage repeats its own blocks
+                h = layer(h)
         return self.head(h)
 
 
@@ -158,19 +185,22 @@ def close(a: Step, b: Step, *, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
 
 class Recorder:
     """A ckpt backend that keeps, per partitioned graph, the joint graph (with its decisions) and
-    the backward it produced (`graphs`), and the partitioner's keyword arguments (`kwargs`)."""
+    the backward it produced (`graphs`), the forward (`forwards`), and the partitioner's keyword
+    arguments (`kwargs`)."""
 
     def __init__(self, policy):
         import ckpt_fx
 
         self.backend = ckpt_fx.backend(policy=policy, strict=True)
         self.graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
+        self.forwards: list[torch.fx.GraphModule] = []
         self.kwargs: list[dict] = []
         inner = self.backend.partition
 
         def partition(joint, joint_inputs, **kwargs):
             fw, bw = inner(joint, joint_inputs, **kwargs)
             self.graphs.append((joint, bw))
+            self.forwards.append(fw)
             self.kwargs.append(kwargs)
             return fw, bw
 

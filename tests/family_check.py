@@ -1,6 +1,7 @@
 """Model families with nested stages, BatchNorm and shared layers: measured peak of one training
 step over eager's, for the default policy, blocks:every=1,skip_first=0 and HF's per-block
-checkpointing, with the largest gradient difference from eager (eager inner compiler).
+checkpointing, with the largest gradient difference from eager and whether the buffers (BatchNorm's
+running statistics) equal eager's after the same two steps (eager inner compiler).
 
     python tests/family_check.py [swin] [convnext] [resnet] [albert]     (about 2 minutes on 2 cores)
 """
@@ -42,7 +43,8 @@ def step_peak(model, inputs):
     peak = peak_bytes(step)
     grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     for p in model.parameters(): p.grad = None
-    return peak, grads
+    buffers = {n.removeprefix("_orig_mod."): b.clone() for n, b in model.named_buffers()}
+    return peak, grads, buffers
 
 def main():
     names = sys.argv[1:] or list(BUILD)
@@ -63,9 +65,10 @@ def main():
             torch.manual_seed(5); rows["hf"] = step_peak(m, inputs)
         e = rows["eager"][0]
         out = []
-        for k, (p, g) in rows.items():
+        for k, (p, g, b) in rows.items():
             diff = max(((g[n] - rows["eager"][1][n]).abs().max().item() for n in g), default=0.0)
-            out.append(f"{k}={p/2**20:.1f}MB({p/e:.3f}x, dgrad={diff:.1e})")
+            same = all(torch.equal(b[n], rows["eager"][2][n]) for n in b) and b.keys() == rows["eager"][2].keys()
+            out.append(f"{k}={p/2**20:.1f}MB({p/e:.3f}x, dgrad={diff:.1e}, buffers {'equal' if same else 'DIFFER'})")
         print(name, " ".join(out), flush=True)
 
 if __name__ == '__main__':

@@ -13,7 +13,7 @@ from passes.memory import _walk
 from passes.regions import forward_nodes
 from passes.schedule import first_use_distance, schedule_pass
 from passes.select import REASON_KEY
-from tests._models import Recorder, Spec, inputs, make, train_step
+from tests._models import Recorder, Spec, bitwise_equal, inputs, make, train_step
 
 
 def recompute_everything(info):
@@ -39,6 +39,25 @@ def test_hard_rules_beat_a_policy_that_recomputes_everything():
             assert n.target is not torch.ops.aten._native_batch_norm_legit_functional.default
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got.grads, eager.grads))
     assert all(torch.equal(a, b) for a, b in zip(got.buffers, eager.buffers))
+
+
+def test_batchnorm_outputs_are_recomputed_and_its_statistics_move_once():
+    """Note [BatchNorm under checkpointing]: inside checkpointed blocks no BatchNorm output is
+    saved; the backward rebuilds it with the op that moves no statistics, the forward normalises
+    each input once, and outputs, gradients and running statistics are bitwise those of the
+    un-checkpointed run."""
+    spec = Spec(depth=3, width=16, batchnorm=True, conv=True, dropout=0.1)
+    model, x = make(spec), inputs(spec, 2, 6)
+    cap = Recorder("blocks:every=1,skip_first=0")
+    got = train_step(model, x, cap.backend)
+    assert bitwise_equal(got, train_step(model, x, "aot_eager"))
+    (joint, bw), fw, plan = cap.graphs[0], cap.forwards[0], cap.backend.plans[0]
+    functional, no_stats = torch.ops.aten._native_batch_norm_legit_functional.default, torch.ops.aten._native_batch_norm_legit.no_stats
+    count = lambda gm, op: sum(n.target is op for n in gm.graph.nodes)  # noqa: E731
+    assert count(fw, functional) == 2 * spec.depth and count(fw, no_stats) == 0
+    assert count(bw, no_stats) == 2 * spec.depth and count(bw, functional) == 0
+    saved_outputs = [s for s in plan.saved if ".bn" in s.module_path or "conv_bn" in s.module_path]
+    assert saved_outputs and all(s.nbytes < 16 * 4 * 4 for s in saved_outputs)  # statistics only, not activations
 
 
 def test_a_policy_returning_garbage_is_named():
