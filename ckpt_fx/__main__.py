@@ -1,4 +1,5 @@
-"""python -m ckpt_fx {demo,bench}: the demo trains a built-in model with and without checkpointing."""
+"""python -m ckpt_fx {demo,explain,bench,solvers,fit}: the demo trains a built-in model with and without
+checkpointing; fit plans a training step's memory for a model too large for this machine."""
 
 from __future__ import annotations
 
@@ -161,6 +162,36 @@ def explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def fit(args: argparse.Namespace) -> int:
+    import torch
+
+    import ckpt_fx.fit as f
+
+    memory = [f.parse_memory(m) for m in args.memory.split(",")]
+    _progress("building the model on the meta device (nothing allocated)")
+    with torch.device("meta"):
+        workload = _workload(args)
+        model = workload.model
+        if args.lora:
+            model = f.with_lora(model, **f.parse_lora(args.lora))
+    policies = [p.strip() for p in args.policies.split(";") if p.strip()]
+    start = time.perf_counter()
+    _progress(f"planning {workload.name}: {len(policies)} policies, one trace each")
+    report = f.fit(model, *workload.args, memory=memory[0], policies=policies, optimizer=args.optimizer,
+                   precision=args.precision, device=args.device, **workload.kwargs)
+    rows = []
+    for limit in memory:
+        report = report.for_memory(limit)
+        print(report)
+        print()
+        rows += [{"memory_bytes": limit, **row} for row in report.to_json()]
+    print(f"planned in {time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+    return 0
+
+
 def _model_options(p: argparse.ArgumentParser, *, model: str, layers: int) -> None:
     p.add_argument("--model", default=model,
                    help="gpt2 (transformers' GPT2LMHeadModel), llama or gpt (built-in), hf:<ConfigClass> "
@@ -221,6 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--solvers", default="milp,greedy,parts,auto")
     sv.add_argument("--time-limit", type=float, default=30.0, help="seconds per MILP")
     sv.set_defaults(run=solvers)
+    ft = sub.add_parser("fit", help="will a training step fit? its peak per policy, planned without the hardware")
+    _model_options(ft, model="llama", layers=8)
+    ft.add_argument("--memory", default="24GiB", help="device memory, e.g. 24GiB, 80GB; ','-separated for several")
+    ft.add_argument("--precision", choices=("fp32", "bf16-mixed"), default="fp32",
+                    help="fp32, or bf16-mixed (fp32 weights, gradients and optimizer state; bf16 autocast)")
+    ft.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw")
+    ft.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="where the step would run (how the optimizer holds its temporaries)")
+    ft.add_argument("--lora", help="train peft LoRA adapters on a frozen base, e.g. 'r=16' or 'r=16,alpha=32'")
+    ft.add_argument("--policies", default="none;blocks;blocks:every=1,skip_first=0;selective;sqrt;budget:fit",
+                    help="';'-separated policies to plan; budget:fit is a memory budget of what --memory leaves "
+                         "after weights and optimizer state")
+    ft.add_argument("--json", help="also write one row per memory size and policy to this file")
+    ft.set_defaults(run=fit)
     args = parser.parse_args(argv)
     for name in ("layers", "dim", "heads", "batch", "seq", "steps"):
         if getattr(args, name, 1) < 1:

@@ -219,7 +219,21 @@ def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_fir
     return _named(policy, f"selective(save=({shown}), skip_first={skip_first})")
 
 
-_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30}
+_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30,
+          "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes from a size like "2GiB", "512MB", "24 GiB" (units: _UNITS; GiB = 2**30, GB = 10**9);
+    None if `text` is not a positive size with a unit."""
+    text = text.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    return int(value * _UNITS[unit]) if unit in _UNITS and value > 0 else None
 
 
 def _budget_value(limit: float | str) -> tuple[float | None, int | None]:
@@ -234,17 +248,14 @@ def _budget_value(limit: float | str) -> tuple[float | None, int | None]:
             )
         return float(limit), None
     if isinstance(limit, str):
-        text = limit.strip().lower().replace(" ", "")
-        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(number):]
         try:
-            value = float(number)
-        except ValueError:
-            value = None
-        if value is not None and not unit:
-            return _budget_value(value)
-        if value is not None and unit in _UNITS and value > 0:
-            return None, int(value * _UNITS[unit])
+            return _budget_value(float(limit))
+        except ValueError as error:
+            if "must lie in" in str(error):
+                raise
+        size = parse_size(limit)
+        if size is not None:
+            return None, size
     raise ValueError(
         f"budget: cannot read {limit!r}; write a fraction in (0, 1] like 0.3, or a size like '2GiB', "
         f"'512MB' (units: {', '.join(_UNITS)})"

@@ -17,6 +17,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 from torch._functorch.partitioners import min_cut_rematerialization_partition as min_cut_partition
 from torch._ops import HigherOrderOperator, OpOverload
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode  # ckpt_fx.fit: planning without storage
 from torch.utils.checkpoint import CheckpointPolicy
 
 try:  # torch >= 2.12

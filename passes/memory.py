@@ -71,6 +71,8 @@ class Plan:
     """Bytes the forward leaves allocated: saved activations and outputs."""
     gradient_bytes: int = 0
     """Bytes of the parameter gradients the backward returns (they outlive the step)."""
+    step_flops: int = 0
+    """FLOPs of the graph's forward and backward, recomputation excluded."""
     hard_rules: dict[str, str] = field(default_factory=dict)
     """Nodes no policy may recompute, with why (random, mutation, ...)."""
     top_level_units: bool = False
@@ -272,6 +274,9 @@ def memory_pass(
             entry[2] += f
             entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"), sizes)
     checkpointed = {p for p, v in per_block.items() if v[1]}
+    recomputed_set = set(recomputed)
+    step_flops = sum(node_flops(n) for g in (fw.graph, bw.graph) for n in g.nodes
+                     if n.op == "call_function" and n not in recomputed_set)
     return Plan(
         held_outputs=_held_outputs(user_outputs, checkpointed, sizes),
         policy=policy,
@@ -287,6 +292,7 @@ def memory_pass(
         backward_peak_bytes=bw_peak,
         forward_end_bytes=forward_end,
         gradient_bytes=sum(grads.values()),
+        step_flops=step_flops,
         hard_rules=dict(hard_rules or {}),
         top_level_units=top_level_units,
         symbols=symbols,

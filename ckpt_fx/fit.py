@@ -1,0 +1,434 @@
+"""fit: will a training step fit in a given memory, and with which policy? Planned without the
+hardware and without allocating the model.
+
+Note [Planning on fake tensors]
+The model's parameters become fake tensors (torch's FakeTensorMode): they carry shapes, dtypes and
+devices but no storage, so a 7B model costs a few MB of host memory. A factory is called on the
+meta device and its tensors swapped for fake CPU ones (so that peft, which moves new adapters to
+their base layer's device, works too); a real module is copied onto fake tensors. Dynamo and AOTAutograd
+trace fake tensors as they trace real ones, the passes plan the traced joint graph as for any
+compile, and the step then runs on fake tensors (nothing is computed). The batch dimension is
+marked dynamic, so one trace per policy serves every batch size: Plan.at evaluates the same plan
+at another batch. Mixed precision traces under CPU autocast (fake tensors are CPU tensors); CUDA's
+autocast casts the same matrix products to bfloat16 but keeps a few other ops in other dtypes.
+Plans are made for the eager inner compiler (AOTAutograd's default partition); Inductor's
+min-cut partition saves less, so under Inductor a step needs at most what is predicted here.
+
+Note [What fit adds to the plan]
+A plan predicts the bytes a forward and backward allocate above what exists before them
+(Note [What the predicted peak counts]): activations, temporaries, and the parameter gradients
+the backward makes. A training step also holds the weights and buffers, the optimizer's state
+(AdamW: two tensors per trainable parameter, in its dtype), and, in optimizer.step(), the
+gradients together with the optimizer's temporaries: torch's AdamW on CUDA updates all parameters
+at once (foreach), holding one more tensor per trainable parameter; on CPU it loops over them,
+holding two tensors the size of the largest. Gradients are freed before each forward
+(zero_grad(set_to_none=True), torch's default). So the step's peak is the larger of
+weights + optimizer state + the plan's peak, and weights + gradients + optimizer state + the
+optimizer's temporaries. `activations_bytes` is what that peak holds besides weights, gradients
+and optimizer state. The model's outputs (an HF model's logits) are taken as held until the
+backward ends, as in `outputs = model(**batch); outputs.loss.backward()`; a loop that keeps only
+the loss (HF's Trainer) peaks lower by up to their size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ckpt_fx import policies as policy_forms
+from ckpt_fx.backend import CkptBackend, Options
+from ckpt_fx.explain import _fresh_function, training_loss
+from passes import Plan, step_peak_bytes
+from passes._compat import FakeCopyMode, FakeTensor, FakeTensorMode
+
+DEFAULT_POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "budget:fit")
+BUDGET_AT_THE_CAP = "budget:fit"
+"""In `policies`: a memory budget set to what the memory leaves after weights and optimizer state."""
+PRECISIONS = ("fp32", "bf16-mixed")
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+"""Tensors of state per trainable parameter (SGD: its momentum buffer)."""
+DEVICES = ("cuda", "cpu")
+
+
+def parse_memory(memory: int | str) -> int:
+    """Bytes from a positive int or a size like "24GiB", "80GB", "512MiB" (GiB = 2**30, GB = 10**9)."""
+    if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
+        return memory
+    size = policy_forms.parse_size(memory) if isinstance(memory, str) else None
+    if size is None:
+        raise ValueError(f"memory: expected a positive size such as '24GiB', '80GB' or 512000000 (bytes), "
+                         f"got {memory!r}; units: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)")
+    return size
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """One policy's predicted training step."""
+
+    policy: str
+    peak_bytes: int
+    """Predicted peak of a training step at the traced batch: weights, gradients, optimizer state
+    and activations (Note [What fit adds to the plan])."""
+    weights_bytes: int
+    """Parameters and buffers."""
+    grads_bytes: int
+    """Gradients of the trainable parameters."""
+    optimizer_bytes: int
+    """The optimizer's state."""
+    activations_bytes: int
+    """The rest of the peak: activations and temporaries (and gradients made so far)."""
+    recompute_flops_fraction: float
+    """FLOPs recomputed in the backward over the FLOPs of a step's forward and backward."""
+    recomputed_ops: int
+    """Ops the backward recomputes (pointwise ops count no FLOPs)."""
+    max_batch: int
+    """The largest batch whose step fits in the memory given; 0 when none does."""
+    fits: bool
+    """The traced batch fits."""
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """fit()'s answer: one row per policy, and the cheapest policy that fits."""
+
+    rows: tuple[FitRow, ...]
+    memory_bytes: int
+    batch: int
+    precision: str
+    optimizer: str
+    parameters: int
+    trainable_parameters: int
+    best: str | None
+    """The policy that fits at the traced batch with the least recompute (FLOPs, then ops); None
+    if none fits."""
+    _step: _Step | None = field(default=None, repr=False, compare=False)
+    _traced: tuple[_Traced, ...] = field(default=(), repr=False, compare=False)
+
+    def for_memory(self, memory: int | str) -> FitReport:
+        """The same plans judged against another memory size (nothing is traced again)."""
+        limit = parse_memory(memory)
+        rows = tuple(t.row(self._step, limit) for t in self._traced)
+        fitting = [r for r in rows if r.fits]
+        best = min(fitting, key=lambda r: (r.recompute_flops_fraction, r.recomputed_ops, r.peak_bytes)) if fitting else None
+        return dataclasses.replace(self, rows=rows, memory_bytes=limit, best=best.policy if best else None)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [asdict(row) for row in self.rows]
+
+    def __str__(self) -> str:
+        unit, gib = ("GiB", 2**30) if self.memory_bytes >= 2**32 else ("MiB", 2**20)
+        out = [
+            f"ckpt_fx fit: {_count(self.parameters)} parameters ({_count(self.trainable_parameters)} trainable), "
+            f"batch {self.batch}, {self.precision}, optimizer {self.optimizer}, memory {self.memory_bytes / gib:.1f} {unit}",
+            "",
+            f"| policy | peak {unit} | weights | grads | optimizer | activations | recompute FLOPs | max batch | fits |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in self.rows:
+            out.append(
+                f"| {r.policy} | {r.peak_bytes / gib:.2f} | {r.weights_bytes / gib:.2f} | {r.grads_bytes / gib:.2f} | "
+                f"{r.optimizer_bytes / gib:.2f} | {r.activations_bytes / gib:.2f} | {r.recompute_flops_fraction:.1%} | "
+                f"{r.max_batch if r.max_batch else 'none fits'} | {'yes' if r.fits else 'no'} |"
+            )
+        out.append("")
+        if self.best is not None:
+            out.append(f"cheapest policy that fits at batch {self.batch}: {self.best}")
+        else:
+            fixed = min(r.weights_bytes + r.grads_bytes + r.optimizer_bytes for r in self.rows)
+            out.append(f"no policy fits at batch {self.batch}"
+                       + (f": weights, gradients and optimizer state alone need {fixed / gib:.2f} GiB"
+                          if fixed > self.memory_bytes else ""))
+        out.append("planned for the eager inner compiler; peaks exclude the CUDA context and allocator fragmentation")
+        return "\n".join(out)
+
+
+def fit(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    *args: Any,
+    memory: int | str = "24GiB",
+    policies: Sequence[policy_forms.Policy | str] = DEFAULT_POLICIES,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    trainable: Iterable[str] | None = None,
+    device: str = "cuda",
+    batch_dim: int = 0,
+    **kwargs: Any,
+) -> FitReport:
+    """Predict a training step's peak memory per policy, without running it or allocating the model.
+
+    `model`: a module (copied onto fake tensors), one built on the meta device (`with
+    torch.device("meta"):`), or a function building one (called on the meta device): a 7B model is
+    never allocated. `args`/`kwargs`: one batch as the model takes it (real, meta or fake tensors;
+    only their shapes and dtypes are read). `trainable`: parameter-name patterns (fnmatch) to train,
+    the rest frozen; default: the model's own requires_grad. `device`: where the step would run
+    ("cuda" or "cpu": how the optimizer holds its temporaries). `policies` may hold "budget:fit",
+    a memory budget of what `memory` leaves after weights and optimizer state. Returns a
+    FitReport; the largest batch each policy fits is found by evaluating its plan at other batch
+    sizes (dimension `batch_dim` of every input that has it is traced as dynamic).
+    """
+    limit = parse_memory(memory)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    parsed = [p if p == BUDGET_AT_THE_CAP else policy_forms.parse(p) for p in policies]
+    if not parsed:
+        raise ValueError("policies: give at least one policy, e.g. ('none', 'blocks')")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    if not isinstance(model, torch.nn.Module):
+        if not callable(model):
+            raise ValueError(f"fit: expected a torch.nn.Module or a function returning one, got {type(model).__name__}")
+        with torch.device("meta"):
+            model = model()
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"fit: the model factory returned {type(model).__name__}, not a torch.nn.Module")
+    else:
+        model = copy.deepcopy(model) if _on_meta(model) else model
+    if _on_meta(model):
+        fake = _meta_to_fake(model, mode)
+    else:
+        with mode, FakeCopyMode(mode):
+            fake = copy.deepcopy(model)
+    fake.train()
+    if trainable is not None:
+        patterns = [trainable] if isinstance(trainable, str) else list(trainable)
+        for name, p in fake.named_parameters():
+            p.requires_grad_(any(fnmatch.fnmatchcase(name, pat) for pat in patterns))
+    args, kwargs = pytree.tree_map(lambda x: _fake(mode, x), (args, kwargs))
+    batch = _mark_batch(args, kwargs, batch_dim)
+
+    params = list(fake.parameters())
+    train = [p for p in params if p.requires_grad]
+    if not train:
+        raise ValueError("fit: no parameter requires grad; nothing would be trained (check `trainable`)")
+    grads = sum(_nbytes(p) for p in train)
+    step = _Step(
+        weights=sum(_nbytes(p) for p in params) + sum(_nbytes(b) for b in fake.buffers()),
+        grads=grads,
+        states=OPTIMIZER_STATES[optimizer] * grads,
+        temporaries=0 if optimizer == "none" else grads if device == "cuda" else 2 * max(_nbytes(p) for p in train),
+        batch=batch,
+    )
+    cap = limit - step.weights - step.states
+    parsed = [policy_forms.budget(_size_text(cap)) if p == BUDGET_AT_THE_CAP else p for p in parsed]
+    capped = [p for p, given in zip(parsed, policies) if given == BUDGET_AT_THE_CAP]  # may not be reached: warn, not raise
+    capped_name = (f"budget:fit ({_size_text(cap)} for the step at {_size_text(limit)})" if cap > 0
+                   else f"budget:fit (the lowest plan: nothing left at {_size_text(limit)})")
+    traced = [
+        _Traced(capped_name if policy in capped else policy_forms.policy_name(policy), tuple(plans), step_flops,
+                _batch_symbols(plans, batch))
+        for policy, (plans, step_flops) in zip(parsed, _plan(fake, args, kwargs, parsed, precision, lenient=capped))
+    ]
+    report = FitReport(rows=(), memory_bytes=limit, batch=batch, precision=precision, optimizer=optimizer,
+                       parameters=sum(p.numel() for p in params), trainable_parameters=sum(p.numel() for p in train),
+                       best=None, _step=step, _traced=tuple(traced))
+    return report.for_memory(limit)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A step's bytes besides the plan's (Note [What fit adds to the plan])."""
+
+    weights: int
+    grads: int
+    states: int
+    temporaries: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """One policy's plans, its step's FLOPs, and per plan (by id) the symbols of the batch."""
+
+    policy: str
+    plans: tuple[Plan, ...]
+    step_flops: int
+    batch_symbols: dict[int, tuple[str, ...]]
+
+    def peak_at(self, step: _Step, batch: int) -> int:
+        at = [p.at(**{s: batch for s in self.batch_symbols.get(id(p), ())}) for p in self.plans]
+        return max(step.weights + step.states + step_peak_bytes(at),
+                   step.weights + step.grads + step.states + step.temporaries)
+
+    def row(self, step: _Step, limit: int) -> FitRow:
+        peak = self.peak_at(step, step.batch)
+        return FitRow(
+            policy=self.policy,
+            peak_bytes=peak,
+            weights_bytes=step.weights,
+            grads_bytes=step.grads,
+            optimizer_bytes=step.states,
+            activations_bytes=max(0, peak - step.weights - step.grads - step.states),
+            recompute_flops_fraction=sum(p.recompute_flops for p in self.plans) / self.step_flops if self.step_flops else 0.0,
+            recomputed_ops=sum(len(p.recomputed) for p in self.plans),
+            max_batch=_largest(lambda b: self.peak_at(step, b), limit, step.batch,
+                               dynamic=any(self.batch_symbols.values())),
+            fits=peak <= limit,
+        )
+
+
+def parse_lora(text: str) -> dict[str, int]:
+    """'r=16' or 'r=16,alpha=32' to keyword arguments of with_lora."""
+    out: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ("r", "alpha") or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--lora: expected r=N[,alpha=M] with positive integers, got {text!r}")
+        out[key.strip()] = int(value)
+    if "r" not in out:
+        raise ValueError(f"--lora: the rank r=N is required, got {text!r}")
+    return out
+
+
+def with_lora(model: torch.nn.Module, *, r: int, alpha: int | None = None) -> torch.nn.Module:
+    """`model` with peft's LoRA adapters of rank r (peft's default target modules for the model's
+    type), the base frozen. Needs peft (pip install peft)."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("LoRA planning needs peft: pip install peft (or the project's [test] extra)") from None
+    try:
+        config = peft.LoraConfig(r=r, lora_alpha=alpha or 2 * r, lora_dropout=0.0)
+        return peft.get_peft_model(model, config)
+    except ValueError as error:
+        raise ValueError(f"--lora: peft could not add adapters to {type(model).__name__}: {error}") from None
+
+
+def _size_text(n: int) -> str:
+    """A readable size no larger than n bytes (at least 1 byte), e.g. '38.1MiB'."""
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{int(n / scale * 100) / 100:g}{unit}"
+    return f"{max(n, 1)}B"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def _fake(mode, x: Any) -> Any:
+    """A fake CPU tensor for an input: meta tensors (shapes only) become CPU fakes."""
+    if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor):
+        return x
+    if x.is_meta:
+        return FakeTensor(mode, x, torch.device("cpu"))
+    return mode.from_tensor(x)
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _meta_to_fake(model: torch.nn.Module, mode) -> torch.nn.Module:
+    """Swap a meta-device module's parameters and buffers for fake CPU tensors of the same shapes
+    and dtypes, in place (shared parameters stay shared). CPU, so that CPU autocast applies."""
+    swapped: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in swapped:
+                    swapped[id(p)] = torch.nn.Parameter(_fake(mode, p.detach()), requires_grad=p.requires_grad)
+                module._parameters[name] = swapped[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                swapped.setdefault(id(b), _fake(mode, b))
+                module._buffers[name] = swapped[id(b)]
+    return model
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _mark_batch(args: Any, kwargs: Any, batch_dim: int) -> int:
+    """Mark dimension `batch_dim` of every tensor input dynamic; returns the batch size."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > batch_dim]
+    if not tensors:
+        raise ValueError(f"fit: no input tensor has a dimension {batch_dim} (batch_dim) to scale")
+    batch = tensors[0].shape[batch_dim]
+    if any(t.shape[batch_dim] != batch for t in tensors):
+        raise ValueError(f"fit: inputs disagree on the batch (dimension {batch_dim}): "
+                         f"{sorted({t.shape[batch_dim] for t in tensors})}")
+    if batch < 2:
+        raise ValueError("fit: trace with a batch of at least 2 (torch specialises a dimension of size 1, "
+                         "so the plan could not be evaluated at other batch sizes)")
+    for t in tensors:
+        torch._dynamo.mark_dynamic(t, batch_dim)
+    return batch
+
+
+def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_forms.Policy],
+          precision: str, *, lenient: list[policy_forms.Policy]) -> list[tuple[list[Plan], int]]:
+    """Trace one training step on fake tensors and plan it with each policy; per policy, its plans
+    and the step's FLOPs. The step is traced once: each joint graph AOTAutograd hands to the first
+    policy's backend is copied to every other policy's first. A policy in `lenient` (a budget at
+    the cap) plans its lowest with a warning where no plan reaches it; the others raise."""
+    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient)) for p in policies]
+    first, inner = backends[0], backends[0].partition
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any):
+        copies = [_copy(joint) for _ in backends[1:]]  # before any pass changes the joint graph
+        for backend, joint_copy in zip(backends[1:], copies):
+            backend.partition(joint_copy, joint_inputs, **kw)
+        return inner(joint, joint_inputs, **kw)
+
+    first.partition = partition  # type: ignore[method-assign]
+    for p in model.parameters():
+        p.grad = None
+    compiled = torch.compile(_fresh_function(lambda *a, **k: model(*a, **k)), backend=first)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+    with cast:
+        loss = training_loss(compiled(*args, **kwargs))
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    out = []
+    for policy, backend in zip(policies, backends):
+        if not backend.plans:
+            raise RuntimeError(f"fit: {policy_forms.policy_name(policy)} planned no graph (see the warning above)")
+        out.append((list(backend.plans), sum(p.step_flops for p in backend.plans)))
+    return out
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a graph module's graph (node names kept, each node's meta copied one level deep)."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph.output(output).meta = copy.copy(old_output.meta)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _batch_symbols(plans: list[Plan], batch: int) -> dict[int, tuple[str, ...]]:
+    """Per plan (by id), the size symbols that stand for the batch (their hint is the batch)."""
+    return {id(p): tuple(s for s, hint in p.symbols.items() if hint == batch) for p in plans}
+
+
+def _largest(peak_at: Callable[[int], int], limit: int, batch: int, *, dynamic: bool) -> int:
+    """The largest batch b >= 1 with peak_at(b) <= limit, 0 if none (peaks grow with the batch)."""
+    if not dynamic:
+        return batch if peak_at(batch) <= limit else 0
+    if peak_at(1) > limit:
+        return 0
+    low, high = 1, 2
+    while peak_at(high) <= limit:
+        low, high = high, high * 2
+        if high > 2**20:
+            return low
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if peak_at(middle) <= limit else (low, middle)
+    return low

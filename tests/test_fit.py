@@ -1,0 +1,130 @@
+"""fit(): a training step's memory planned on fake tensors, against the measured step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckpt_fx.fit import fit, parse_memory
+from ckpt_fx.models import build
+from tests.fit_check import lora, measured_step_peak
+
+POLICIES = ("none", "blocks:every=1,skip_first=0")
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    model = build("llama", layers=2, dim=64, heads=4)
+    ids = torch.randint(0, model.head.out_features, (4, 32))
+    return model, ids
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_predicted_peak_is_within_ten_percent_of_the_measured_step(precision):
+    """Forward, backward and AdamW's step (its state allocated), measured on this CPU."""
+    model, ids = tiny_llama()
+    report = fit(model, ids, ids, memory="1GiB", policies=POLICIES, precision=precision, device="cpu")
+    for row, policy in zip(report.rows, POLICIES):
+        torch._dynamo.reset()
+        measured = measured_step_peak(model, (ids, ids), {}, policy=policy, precision=precision)
+        assert abs(row.peak_bytes - measured) <= 0.10 * measured, (policy, row.peak_bytes, measured)
+
+
+def test_lora_trains_only_the_adapters_and_the_prediction_holds():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=32, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    model = lora(transformers.GPT2LMHeadModel(cfg))
+    ids = torch.randint(0, 500, (4, 32))
+    kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    report = fit(model, memory="1GiB", policies=POLICIES, precision="bf16-mixed", device="cpu", **kwargs)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert report.trainable_parameters == trainable < report.parameters / 10
+    for row, policy in zip(report.rows, POLICIES):
+        assert row.grads_bytes == 4 * trainable and row.optimizer_bytes == 8 * trainable
+        torch._dynamo.reset()
+        measured = measured_step_peak(model, (), kwargs, policy=policy, precision="bf16-mixed")
+        assert abs(row.peak_bytes - measured) <= 0.10 * measured, (policy, row.peak_bytes, measured)
+
+
+def test_a_model_far_larger_than_this_machine_is_planned_without_allocating_it():
+    """About 400 GB of fp32 weights: built on the meta device, traced on fake tensors. Full
+    fine-tuning with AdamW holds 16 bytes per parameter in weights, gradients and state."""
+    report = fit(lambda: build("llama", layers=2, dim=65536, heads=64, vocab=256), torch.zeros(2, 16, dtype=torch.long),
+                 memory="80GiB", policies=("blocks",))
+    row = report.rows[0]
+    assert report.parameters > 10**11
+    assert row.weights_bytes == 4 * report.parameters  # no buffers in this model
+    assert row.grads_bytes == row.weights_bytes and row.optimizer_bytes == 2 * row.weights_bytes
+    assert row.peak_bytes >= 16 * report.parameters
+    assert not row.fits and row.max_batch == 0 and report.best is None
+    assert "no policy fits" in str(report) and "weights, gradients and optimizer state alone" in str(report)
+
+
+def test_largest_batch_is_where_the_peak_crosses_the_memory():
+    model, ids = tiny_llama()
+    report = fit(model, ids, ids, policies=("blocks",), device="cpu")
+    peak = report.rows[0].peak_bytes
+    at_peak, below = report.for_memory(peak).rows[0], report.for_memory(peak - 1).rows[0]
+    assert at_peak.fits and at_peak.max_batch >= 4
+    assert not below.fits and 1 <= below.max_batch < 4
+    assert report.for_memory(4 * peak).rows[0].max_batch > 4
+
+
+def test_the_plan_at_another_batch_equals_a_trace_at_that_batch():
+    model, ids = tiny_llama()
+    four = fit(model, ids, ids, policies=("blocks",), device="cpu")
+    eight = fit(model, torch.cat([ids, ids]), torch.cat([ids, ids]), policies=("blocks",), device="cpu")
+    assert four._traced[0].peak_at(four._step, 8) == eight.rows[0].peak_bytes
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(memory="24 gigs"), "memory: expected a positive size"),
+    (dict(memory=0), "memory: expected a positive size"),
+    (dict(precision="fp16"), "precision: expected one of fp32, bf16-mixed"),
+    (dict(optimizer="lion"), "optimizer: expected one of"),
+    (dict(trainable=["no.such.*"]), "no parameter requires grad"),
+    (dict(policies=("blocks:x",)), "blocks"),
+])
+def test_bad_input_is_named(bad, message):
+    model, ids = tiny_llama()
+    with pytest.raises(ValueError, match=message):
+        fit(model, ids, ids, **bad)
+
+
+def test_a_batch_of_one_is_refused_with_the_reason():
+    model, ids = tiny_llama()
+    with pytest.raises(ValueError, match="batch of at least 2"):
+        fit(model, ids[:1], ids[:1])
+
+
+def test_memory_units():
+    assert parse_memory("24GiB") == 24 * 2**30 and parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("512 MiB") == 512 * 2**20 and parse_memory(1000) == 1000
+
+
+def test_cli_writes_one_json_row_per_memory_and_policy(tmp_path):
+    out = tmp_path / "fit.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "ckpt_fx", "fit", "--model", "llama", "--layers", "2", "--dim", "64", "--batch", "2",
+         "--seq", "32", "--memory", "8MiB,1GiB", "--policies", "none;blocks", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["memory_bytes"], r["policy"].split("(")[0]) for r in rows] == [
+        (8 * 2**20, "none"), (8 * 2**20, "blocks"), (2**30, "none"), (2**30, "blocks")]
+    for r in rows:
+        assert {"policy", "peak_bytes", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                "max_batch", "recompute_flops_fraction"} <= r.keys()
+        assert r["peak_bytes"] >= r["weights_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]
+    assert "cheapest policy that fits" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "ckpt_fx", "fit", "--memory", "lots"], capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode == 2 and "memory: expected a positive size" in bad.stderr
