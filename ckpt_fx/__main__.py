@@ -97,8 +97,11 @@ def bench(args: argparse.Namespace) -> int:
             except ValueError:
                 raise ValueError(f"--sweep: expected ','-separated budgets like 0.9,0.7,0.5, got {args.sweep!r}") from None
             setups = b.sweep_setups(budgets)
+        b.check_setups(setups)
+        if args.plot:
+            b.require_matplotlib()
         workload = _workload(args).to(args.device)
-        rows = b.run(workload, setups, steps=args.steps, amp=args.amp, progress=_progress)
+        rows = b.run(workload, setups, steps=args.steps, amp=args.amp, progress=True)
     except ValueError as error:
         print(f"python -m ckpt_fx bench: error: {error}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -313,22 +314,20 @@ def _prepare(setup: str, model: torch.nn.Module):
 
 
 def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: int = 5, amp: bool = False,
-        progress: Callable[[str], None] | None = None) -> list[Row]:
+        progress: bool = False) -> list[Row]:
     """Measure every setup on the same model (fresh copy each) and batch; the first is the reference.
 
     amp=True runs every step under bf16 autocast. A setup that fails (an infeasible budget) gets a
-    row with its error; the first setup must run.
+    row with its error; the first setup must run. progress=True draws a progress bar on stderr.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    for setup in setups:
-        _prepare_check(setup)
+    check_setups(setups)
     results = []
+    bar = _bar(len(setups)) if progress else None  # on stderr: elapsed time and what is left
     for k, setup in enumerate(setups, 1):
-        if progress:
-            width = 20
-            filled = round(width * (k - 1) / len(setups))
-            progress(f"[{'#' * filled}{'.' * (width - filled)}] {k}/{len(setups)} {setup}")
+        if bar is not None:
+            bar.set_postfix_str(setup)
         try:
             # Cold compiles: a plan served from Inductor's FX graph cache (an earlier run of the
             # same setup) would report no plan and a compile time that measures nothing.
@@ -342,6 +341,10 @@ def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: 
             message = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[-1]
             results.append((setup, math.nan, math.nan, None, None, math.nan, None, message[:300]))
             torch._dynamo.reset()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     ref_peak, ref_time, ref_grads = results[0][1], results[0][2], results[0][3]
     dropout = workload.model.training and any(
         isinstance(m, torch.nn.Dropout) and m.p > 0 for m in workload.model.modules())
@@ -372,6 +375,20 @@ def _inductor_draws(setup: str) -> bool:
     if setup in ("inductor", "inductor-sac") or setup.startswith(("inductor-budget:", "ckpt-inductor:")):
         return True
     return setup.startswith("ckpt:") and ckpt_backend(policy="none").options.compiler == "inductor"
+
+
+def check_setups(setups: tuple[str, ...]) -> None:
+    """Refuse a bad setup name (ValueError naming the valid forms) before any model is built."""
+    for setup in setups:
+        _prepare_check(setup)
+
+
+def _bar(total: int):
+    """A progress bar over the setups on stderr, with elapsed time and an estimate of what is left."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="setup", file=sys.stderr, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} setups [{elapsed} elapsed, {remaining} left]{postfix}")
 
 
 def _prepare_check(setup: str) -> None:
@@ -485,16 +502,22 @@ def as_dicts(rows: list[Row]) -> list[dict]:
     return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(r).items()} for r in rows]
 
 
+def require_matplotlib() -> None:
+    """Raise a ValueError naming the extra when matplotlib is missing (checked before any setup runs)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'ckpt-fx[plot]'")
+
+
 def plot(rows: list[Row], path: str, *, title: str = "") -> None:
     """Peak memory against step time, one point per setup, the Pareto front (no other setup both
     smaller and faster) drawn through; saved as an image at `path`. Needs matplotlib."""
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'ckpt-fx[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     done = [r for r in rows if r.error is None]
     front = pareto_front(done)
     fig, ax = plt.subplots(figsize=(8, 5.5))

@@ -127,7 +127,7 @@ class FitReport:
         unit, gib = ("GiB", 2**30) if self.memory_bytes >= 2**32 else ("MiB", 2**20)
         out = [
             f"ckpt_fx fit: {_count(self.parameters)} parameters ({_count(self.trainable_parameters)} trainable), "
-            f"batch {self.batch}, {self.precision}, optimizer {self.optimizer}, memory {self.memory_bytes / gib:.1f} {unit}",
+            f"batch {self.batch}, {self.precision}, optimizer {self.optimizer}, memory {_size_text(self.memory_bytes)}",
             "",
             f"| policy | peak {unit} | weights | grads | optimizer | activations | recompute FLOPs | max batch | fits |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|",
