@@ -41,9 +41,10 @@ def test_demo_prints_the_side_by_side_table():
     done = run("-m", "ckpt_fx", "demo", "--layers", "3", "--dim", "64", "--seq", "64", "--batch", "2", "--steps", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert lines[0].startswith("| setup | peak MB")
-    eager, ckpt = lines[1].split("|"), lines[2].split("|")
-    assert eager[-2] == ckpt[-2]  # the same losses, step by step
+    assert lines[0].startswith("| setup | peak MB") and "| x aot_eager |" in lines[0]  # tests plan for the eager compiler
+    eager, compiled, ckpt = (line.split("|") for line in lines[1:4])
+    assert "aot_eager (no checkpointing)" in compiled[1] and "(eager)" in ckpt[1]
+    assert eager[-2] == compiled[-2] == ckpt[-2]  # the same losses, step by step
     assert float(ckpt[2]) < float(eager[2])  # lower measured peak
 
 
