@@ -160,7 +160,7 @@ def explain(args: argparse.Namespace) -> int:
     _progress(f"planning {workload.name} with policy {args.policy}")
     report = ckpt_fx.explain(workload.model, *workload.args, policy=args.policy, measure=args.measure,
                              compiler=args.compiler, **workload.kwargs)
-    print(report)
+    print(report.format(top=args.top))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"policy": report.policy, "compiler": report.compiler, "predicted_peak_bytes": report.predicted_peak_bytes,
@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--measure", action="store_true", help="also measure the peak, with and without checkpointing")
     e.add_argument("--compiler", choices=("inductor", "eager"), default=None,
                    help="inner compiler to plan for (default: CKPT_FX_COMPILER, else inductor)")
+    e.add_argument("--top", type=int, help="list only the N largest saved tensors")
     e.add_argument("--json", help="also write the report to this file")
     e.set_defaults(run=explain)
     bn = sub.add_parser("bench", help="peak memory and step time of every setup, side by side")
@@ -275,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ft.add_argument("--json", help="also write one row per memory size and policy to this file")
     ft.set_defaults(run=fit)
     args = parser.parse_args(argv)
-    for name in ("layers", "dim", "heads", "batch", "seq", "steps"):
-        if getattr(args, name, 1) < 1:
+    for name in ("layers", "dim", "heads", "batch", "seq", "steps", "top"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if getattr(args, "policy", None) is not None:
         from ckpt_fx import policies

@@ -38,24 +38,34 @@ class Report:
     """How the units were found: blocks nested in stages, calls of a shared module, heavy units."""
 
     def __str__(self) -> str:
+        return self.format()
+
+    def format(self, *, top: int | None = None) -> str:
+        """The report as text; `top` lists only the largest `top` saved tensors."""
         mb = 2**20
         out = [f"ckpt_fx plan: {self.policy}, {len(self.plans)} graph(s), inner compiler {self.compiler}", ""]
-        out.append("| block | saved MB | recomputed ops | recompute GFLOP |")
-        out.append("|---|---:|---:|---:|")
+        out.append("| unit | saved MB | recomputed ops | recomputed MB | recompute GFLOP |")
+        out.append("|---|---:|---:|---:|---:|")
+        in_units = 0
         for plan in self.plans:
             for b in plan.blocks:
-                out.append(f"| {b.path} | {b.saved_bytes / mb:.2f} | {b.recomputed_ops} | {b.recompute_flops / 1e9:.3f} |")
-        out.append("")
+                in_units += b.saved_bytes
+                out.append(f"| {b.path} | {b.saved_bytes / mb:.2f} | {b.recomputed_ops} | {b.recomputed_bytes / mb:.2f} | "
+                           f"{b.recompute_flops / 1e9:.3f} |")
         saved = [s for plan in self.plans for s in plan.saved if not s.is_input]
-        inputs = sum(1 for plan in self.plans for s in plan.saved if s.is_input)
         total = sum(p.saved_bytes for p in self.plans)  # views share their base's bytes
+        out.append(f"| (outside the units) | {max(0, total - in_units) / mb:.2f} | - | - | - |")
+        out.append("")
+        inputs = sum(1 for plan in self.plans for s in plan.saved if s.is_input)
         out.append(f"saved activations: {len(saved)} tensors, {total / mb:.2f} MB "
                    f"(plus {inputs} parameters/inputs kept by reference)")
-        for s in saved:
+        listed = sorted(saved, key=lambda s: -s.nbytes)[:top] if top is not None else saved
+        for s in listed:
             shape = "x".join(map(str, s.shape)) or "scalar"
             dtype = str(s.dtype).replace("torch.", "")
-            op = "getitem" if "getitem" in s.op else s.op
-            out.append(f"  {s.module_path or '<top>':40s} {op:36s} {shape:>18s} {dtype:8s} {s.nbytes / mb:8.3f} MB")
+            out.append(f"  {s.module_path or '<top>':40s} {s.op:36s} {shape:>18s} {dtype:8s} {s.nbytes / mb:8.3f} MB")
+        if top is not None and len(saved) > top:
+            out.append(f"  ... and {len(saved) - top} smaller ones")
         out.append("")
         line = f"predicted peak: {self.predicted_peak_bytes / mb:.1f} MB"
         if self.measured_peak_bytes is not None:

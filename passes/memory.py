@@ -34,6 +34,7 @@ class SavedTensor:
     module_path: str
     block: str | None
     op: str
+    """The op that made it (op_name): "convolution", "native_layer_norm[0]", "detach(relu)"."""
     shape: tuple[int, ...]
     dtype: torch.dtype | None
     nbytes: int
@@ -219,7 +220,7 @@ def memory_pass(
                 name=node.name,
                 module_path=node.meta.get(PATH_KEY, ""),
                 block=region.block.name if region is not None and region.block is not None else None,
-                op=str(node.target) if node.op == "call_function" else node.op,
+                op=op_name(node),
                 shape=tuple(size_at(d, sizes) if sizes else size_hint(d) for d in value.shape),
                 dtype=value.dtype,
                 nbytes=tensor_bytes(value, sizes),
@@ -329,6 +330,21 @@ def _snapshot(gm: torch.fx.GraphModule) -> types.SimpleNamespace:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     return types.SimpleNamespace(graph=graph)
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The op that made a value, as people read it: "convolution", "native_layer_norm[0]" for an
+    element of a tuple, "detach(relu)" for an alias; a placeholder is "placeholder"."""
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if target is operator.getitem and first is not None:
+        return f"{op_name(first)}[{node.args[1]}]"
+    name = target._opname if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+    if name in ("detach", "alias") and first is not None:
+        return f"{name}({op_name(first)})"
+    return name
 
 
 def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:
