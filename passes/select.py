@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from passes._compat import RECOMPUTE_KEY, CheckpointPolicy, HigherOrderOperator, OpOverload, is_impure_not_random, size_hint
-from passes.costs import BYTES_KEY, FLOPS_KEY, is_view
+from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view
 from passes.regions import PATH_KEY, REGION_KEY, Block, Region, forward_nodes
 
 REASON_KEY = "ckpt_fx.reason"
@@ -174,12 +174,11 @@ def _recompute_tuples_of_recomputed_elements(nodes: list[torch.fx.Node]) -> None
     torch's partitioner does not keep its inputs for the backward: a parameter the backward reads
     nowhere else (BatchNorm's bias) is then missing, and partitioning fails."""
     for node in nodes:
-        users = list(node.users)
-        if node.op != "call_function" or not users or node.meta.get(REASON_KEY) != "policy":
+        if node.op != "call_function" or node.meta.get(REASON_KEY) != "policy":
             continue
-        if node.meta.get(RECOMPUTE_KEY) not in SAVE or not all(u.target is operator.getitem for u in users):
+        if node.meta.get(RECOMPUTE_KEY) not in SAVE or not is_multi_output(node):
             continue
-        elements = [u.meta.get(RECOMPUTE_KEY) for u in users]
+        elements = [u.meta.get(RECOMPUTE_KEY) for u in node.users]
         if CheckpointPolicy.MUST_RECOMPUTE in elements:
             node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_RECOMPUTE
         elif CheckpointPolicy.PREFER_RECOMPUTE in elements:
