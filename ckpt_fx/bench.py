@@ -17,13 +17,30 @@ import torch
 from ckpt_fx.backend import backend as ckpt_backend
 from ckpt_fx.explain import training_loss
 from ckpt_fx.measure import peak_bytes
+from passes._compat import activation_memory_budget, inductor_random_as_eager, no_fx_graph_cache, per_block_checkpointing, pytree
 from passes.memory import step_peak_bytes
 
-DEFAULT_SETUPS = (
-    "eager", "checkpoint", "inductor", "inductor-budget:0.5", "ckpt-eager:blocks", "ckpt:blocks",
-    "ckpt:blocks:every=1,skip_first=0", "ckpt:blocks:4", "ckpt:sqrt", "ckpt:selective",
-    "ckpt:budget:0.5", "ckpt:budget:0.3", "ckpt:budget:0.15",
+CPU_SETUPS = (
+    "eager", "checkpoint", "aot_eager-budget:0.5", "ckpt-eager:blocks", "ckpt-eager:blocks:every=1,skip_first=0",
+    "ckpt-eager:selective", "ckpt-eager:budget:0.5",
 )
+"""The default on a CPU: the peers and our plans on eager kernels (the eager inner compiler and
+torch's knob under aot_eager), a few minutes in all; Inductor compiles a GPT-2 for a minute or two
+per setup on a CPU, so its rows are asked for (--setups, --sweep)."""
+CUDA_SETUPS = (
+    "eager", "checkpoint", "inductor", "inductor-budget:0.5", "inductor-sac", "ckpt:none", "ckpt:blocks",
+    "ckpt:blocks:every=1,skip_first=0", "ckpt:selective", "ckpt:budget:0.5", "ckpt:budget:0.3",
+)
+"""The default on a GPU: the ground users train on (Inductor alone, torch's knob, torch's op-level
+selective checkpointing) beside our plans under Inductor."""
+DEFAULT_SETUPS = CPU_SETUPS
+
+
+def default_setups(device: str) -> tuple[str, ...]:
+    """The setups a bench runs when none are named: CUDA_SETUPS on a GPU, CPU_SETUPS on a CPU."""
+    return CUDA_SETUPS if device == "cuda" else CPU_SETUPS
+
+
 SETUP_FORMS = (
     "eager, checkpoint, sac, inductor-sac, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, "
     "ckpt:<policy> (the default inner compiler), ckpt-eager:<policy>, ckpt-inductor:<policy>"
@@ -81,16 +98,14 @@ class Workload:
 
     def to(self, device: str | torch.device) -> Workload:
         """The same workload with its model and every tensor argument on `device`."""
-        from torch.utils._pytree import tree_map
-
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda': torch sees no CUDA device here; valid: cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {str(device)!r}: valid: cpu, cuda")
         move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        return Workload(name=self.name, model=self.model.to(device), args=tree_map(move, self.args),
-                        kwargs=tree_map(move, self.kwargs))
+        return Workload(name=self.name, model=self.model.to(device), args=pytree.tree_map(move, self.args),
+                        kwargs=pytree.tree_map(move, self.kwargs))
 
 
 def gpt2_workload(*, layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 1000, batch: int = 8, seq: int = 256) -> Workload:
@@ -174,16 +189,17 @@ def hf_workload(config_class: str, *, layers: int = 12, dim: int = 256, heads: i
 def factory_workload(spec: str) -> Workload:
     """The workload a `module:function` factory returns: a Workload, (model, args) or
     (model, args, kwargs); the model is put in train mode."""
-    import importlib
+    import pkgutil
 
     module_name, _, function_name = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        factory = pkgutil.resolve_name(spec)
     except ImportError as error:
         raise ValueError(f"model {spec!r}: cannot import module {module_name!r} ({error})") from None
-    factory = getattr(module, function_name, None)
+    except AttributeError:
+        raise ValueError(f"model {spec!r}: module {module_name!r} has no function {function_name!r}") from None
     if not callable(factory):
-        raise ValueError(f"model {spec!r}: module {module_name!r} has no function {function_name!r}")
+        raise ValueError(f"model {spec!r}: {type(factory).__name__} is not a function")
     torch.manual_seed(0)
     made = factory()
     if isinstance(made, Workload):
@@ -247,10 +263,12 @@ def _block_stack(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def _checkpoint_every_block(model: torch.nn.Module, *, selective: bool = False) -> torch.nn.Module:
-    """What HF's gradient_checkpointing_enable does: torch.utils.checkpoint around every block.
-    `selective`: torch's op-level selective checkpointing inside each block instead (what
-    torchtitan's op-level mode does): matmul and attention outputs saved, the rest recomputed."""
-    options: dict[str, Any] = {"use_reentrant": False}
+    """What HF's activation checkpointing does: torch.utils.checkpoint around every block (HF's own
+    switch where the model has one, else torch's apply_activation_checkpointing on the largest
+    ModuleList's members). `selective`: torch's op-level selective checkpointing inside each block
+    instead (what torchtitan's op-level mode does): matmul and attention outputs saved, the rest
+    recomputed."""
+    options: dict[str, Any] = {}
     if selective:
         import functools
 
@@ -258,11 +276,20 @@ def _checkpoint_every_block(model: torch.nn.Module, *, selective: bool = False) 
 
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
     if getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
-        return model
-    for block in _block_stack(model):
-        forward = block.forward
-        block.forward = lambda *a, _f=forward, **k: torch.utils.checkpoint.checkpoint(_f, *a, **options, **k)
+        return hf_checkpointing_enable(model, use_reentrant=False, **options)
+    blocks = {id(b) for b in _block_stack(model)}
+    return per_block_checkpointing(model, lambda m: id(m) in blocks, **options)
+
+
+def hf_checkpointing_enable(model: torch.nn.Module, **checkpoint_kwargs: Any) -> torch.nn.Module:
+    """A transformers model's own per-block checkpointing, switched on under its current name
+    (activation_checkpointing_enable; gradient_checkpointing_enable before transformers 5.x
+    renamed it), `checkpoint_kwargs` passed to torch.utils.checkpoint."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
     return model
 
 
@@ -301,7 +328,7 @@ def _prepare(setup: str, model: torch.nn.Module):
             raise ValueError(f"setup {setup!r}: the budget must be a number in (0, 1]") from None
         import functools
 
-        patch = functools.partial(torch._functorch.config.patch, activation_memory_budget=value)
+        patch = functools.partial(activation_memory_budget, value)
         return torch.compile(model, backend=compiler), None, patch
     if setup.startswith("ckpt:"):
         b = ckpt_backend(policy=setup[len("ckpt:"):])
@@ -314,10 +341,12 @@ def _prepare(setup: str, model: torch.nn.Module):
 
 
 def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: int = 5, amp: bool = False,
-        progress: bool = False) -> list[Row]:
+        progress: bool = False, fallback_random: bool = False) -> list[Row]:
     """Measure every setup on the same model (fresh copy each) and batch; the first is the reference.
 
-    amp=True runs every step under bf16 autocast. A setup that fails (an infeasible budget) gets a
+    amp=True runs every step under bf16 autocast. fallback_random=True has Inductor draw random
+    numbers as eager does (torch._inductor.config.fallback_random), so the gradient column compares
+    Inductor setups with dropout too. A setup that fails (an infeasible budget) gets a
     row with its error; the first setup must run. progress=True draws a progress bar on stderr.
     """
     if steps < 1:
@@ -331,16 +360,14 @@ def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: 
         try:
             # Cold compiles: a plan served from Inductor's FX graph cache (an earlier run of the
             # same setup) would report no plan and a compile time that measures nothing.
-            import torch._inductor.config
-
-            with torch._inductor.config.patch(fx_graph_cache=False):
+            with no_fx_graph_cache(), inductor_random_as_eager(fallback_random):
                 results.append(_measure(workload, setup, steps=steps, amp=amp))
         except Exception as error:  # noqa: BLE001 - reported in the row, the other setups still run
             if k == 1:
                 raise
             message = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[-1]
             results.append((setup, math.nan, math.nan, None, None, math.nan, None, message[:300]))
-            torch._dynamo.reset()
+            torch.compiler.reset()
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -350,7 +377,7 @@ def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: 
         isinstance(m, torch.nn.Dropout) and m.p > 0 for m in workload.model.modules())
     rows = []
     for setup, peak, t, grads, predicted, compile_s, flops, error in results:
-        if dropout and error is None and _inductor_draws(setup) != _inductor_draws(setups[0]):
+        if dropout and not fallback_random and error is None and _inductor_draws(setup) != _inductor_draws(setups[0]):
             rows.append(Row(setup=setup, peak_mb=peak / 2**20, peak_ratio=peak / ref_peak, step_s=t,
                             step_ratio=t / ref_time, grad_rel_diff=math.nan, predicted_mb=predicted,
                             compile_s=compile_s, recompute_gflop=flops, grad_note=RNG_NOTE))
@@ -366,8 +393,8 @@ def run(workload: Workload, setups: tuple[str, ...] = DEFAULT_SETUPS, *, steps: 
     return rows
 
 
-RNG_NOTE = ("n/a: dropout drawn by Inductor's own random numbers, not eager's; tests/test_inductor.py "
-            "compares gradients under torch._inductor.config.fallback_random=True")
+RNG_NOTE = ("n/a: dropout drawn by Inductor's own random numbers, not eager's; --fallback-random compares "
+            "them (torch._inductor.config.fallback_random=True)")
 
 
 def _inductor_draws(setup: str) -> bool:
@@ -447,7 +474,7 @@ def _measure(workload: Workload, setup: str, *, steps: int, amp: bool):
         sync()
         times.append(time.perf_counter() - start)
     clear()
-    torch._dynamo.reset()
+    torch.compiler.reset()
     predicted = step_peak_bytes(b.plans) / 2**20 if b is not None and b.plans else None
     flops = sum(p.recompute_flops for p in b.plans) / 1e9 if b is not None and b.plans else None
     return (setup, peak, statistics.median(times), grads, predicted, compile_s, flops, None)
@@ -473,6 +500,11 @@ def markdown(rows: list[Row]) -> str:
         flops = f"{r.recompute_gflop:.2f}" if r.recompute_gflop is not None else "-"
         out.append(f"| {r.setup} | {r.peak_mb:.1f} | {r.peak_ratio:.3f} | {r.step_s:.3f} | {r.step_ratio:.2f} | "
                    f"{flops} | {'n/a' if r.grad_note else f'{r.grad_rel_diff:.1e}'} | {pred} | {r.compile_s:.1f} |")
+    for r in rows:
+        if r.error is None and not r.grad_note and "-budget:" in r.setup and r.grad_rel_diff > 1e-3:
+            notes.append(f"{r.setup}: gradients differ from the first setup's ({r.grad_rel_diff:.1e}); torch's "
+                         "activation_memory_budget can recompute dropout in the backward with new random numbers "
+                         "(pytorch/pytorch#190758)")
     return "\n".join(out + ([""] + failed if failed else []) + ([""] + [f"- {n}" for n in notes] if notes else []))
 
 
@@ -511,40 +543,89 @@ def require_matplotlib() -> None:
 
 
 def plot(rows: list[Row], path: str, *, title: str = "") -> None:
-    """Peak memory against step time, one point per setup, the Pareto front (no other setup both
-    smaller and faster) drawn through; saved as an image at `path`. Needs matplotlib."""
+    """Peak memory (MB) against step time (ms), one labelled point per setup, each budget line
+    (ours, torch's knob) drawn through its points and the Pareto front (no other setup both
+    smaller and faster) drawn through; the ratios to the first setup on the opposite axes; failed
+    setups listed under the plot. Saved as an image at `path`. Needs matplotlib."""
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     done = [r for r in rows if r.error is None]
+    failed = [r for r in rows if r.error is not None]
     front = pareto_front(done)
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ms = lambda r: 1e3 * r.step_s  # noqa: E731
+    fig, ax = plt.subplots(figsize=(9, 6 + 0.22 * len(failed)))
     for r in done:
-        on = r in front
-        ax.scatter(r.step_ratio, r.peak_ratio, color="tab:red" if on else "tab:gray", zorder=3)
-        ax.annotate(r.setup, (r.step_ratio, r.peak_ratio), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.scatter(ms(r), r.peak_mb, color="tab:red" if r in front else "tab:gray", zorder=3)
     lines: dict[str, list[Row]] = {}
-    for r in done:  # each budget line (ours, torch's knob) drawn through its points
+    for r in done:
         head, sep, _ = r.setup.rpartition("budget:")
         if sep:
             lines.setdefault(head + "budget", []).append(r)
     for name, members in lines.items():
-        members = sorted(members, key=lambda r: r.peak_ratio)
-        ax.plot([r.step_ratio for r in members], [r.peak_ratio for r in members], marker="", alpha=0.6,
+        if len(members) < 2:
+            continue
+        members = sorted(members, key=lambda r: r.peak_mb)
+        ax.plot([ms(r) for r in members], [r.peak_mb for r in members], alpha=0.6,
                 linestyle="--" if name.startswith("ckpt") else ":", label=name)
-    ordered = sorted(front, key=lambda r: r.step_ratio)
-    ax.step([r.step_ratio for r in ordered], [r.peak_ratio for r in ordered], where="post", color="tab:red",
-            label="Pareto front")
-    ax.set_xlabel("step time / first setup's")
-    ax.set_ylabel("measured peak / first setup's")
-    ax.set_title(title, fontsize=9)
+    ordered = sorted(front, key=lambda r: r.step_s)
+    ax.step([ms(r) for r in ordered], [r.peak_mb for r in ordered], where="post", color="tab:red", label="Pareto front")
+    ref = rows[0] if rows and rows[0].error is None else None
+    if ref is not None:  # ratios to the first setup on the top and right axes
+        t0, m0 = ms(ref), ref.peak_mb
+        ax.secondary_xaxis("top", functions=(lambda x: x / t0, lambda x: x * t0)).set_xlabel(f"step time / {ref.setup}'s")
+        ax.secondary_yaxis("right", functions=(lambda y: y / m0, lambda y: y * m0)).set_ylabel(f"peak / {ref.setup}'s")
+    ax.set_xlabel("step time (ms, median)")
+    ax.set_ylabel("measured peak (MB)")
+    fig.suptitle(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    ax.legend(fontsize=8, loc="best")
+    if failed:
+        fig.text(0.01, 0.01, "failed: " + "\n        ".join(f"{r.setup}: {r.error}"[:110] for r in failed),
+                 fontsize=7, va="bottom", family="monospace")
+    fig.tight_layout(rect=(0, 0.03 * len(failed), 1, 1))
+    _label_points(fig, ax, [(r.setup, ms(r), r.peak_mb) for r in done])
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _label_points(fig, ax, points: list[tuple[str, float, float]]) -> list:
+    """Label each point beside it where the label overlaps no label placed before it nor another
+    point and stays inside the axes: the first free one of 32 positions beside it, nearest first
+    (far ones with a line back to the point), else the least crowded of them. Returns the labels' boxes (display coordinates), in order."""
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    fig.canvas.draw()  # the axes' limits are settled at a draw: the points' places are final
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)  # a label inside the axes is not cut off
+    offsets = [(dx, dy) for k in range(8) for dy in (3 + 8 * k, -9 - 8 * k) for dx in (5, -5)]
+    marks = [Bbox.from_bounds(*(ax.transData.transform((x, y)) - 5), 10, 10) for _, x, y in points]
+    taken: list = []
+    for label, x, y in points:
+        best = None
+        for dx, dy in offsets:
+            far = abs(dy) > 12  # a thin line back to its point
+            text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=7,
+                               ha="left" if dx > 0 else "right",
+                               arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.5"} if far else None)
+            text.update_positions(renderer)
+            box = Text.get_window_extent(text, renderer).expanded(1.02, 1.1)  # the text, not its line
+            outside = not (frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1)
+            clash = sum(box.overlaps(t) for t in taken) + sum(box.overlaps(m) for m in marks) + outside
+            if best is None or clash < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (clash, text, box)
+            else:
+                text.remove()
+            if clash == 0:
+                break
+        taken.append(best[2])
+    return taken
 
 
 def pareto_front(rows: list[Row]) -> list[Row]:
@@ -586,7 +667,7 @@ def joint_problem(workload: Workload):
     b.partition = partition
     model = copy.deepcopy(workload.model)
     workload.loss(torch.compile(model, backend=b)).backward()
-    torch._dynamo.reset()
+    torch.compiler.reset()
     joint = max(joints, key=lambda j: len(j.graph.nodes))
     return build_problem(joint, hard_rules=hard_rules(joint)).problem, len(joint.graph.nodes)
 

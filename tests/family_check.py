@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from ckpt_fx.measure import peak_bytes
+from ckpt_fx.bench import hf_checkpointing_enable
 
 def swin():
     cfg = transformers.SwinConfig(image_size=224, patch_size=4, embed_dim=32, depths=[2, 2, 6, 2], num_heads=[1, 2, 4, 8], window_size=7, num_labels=10)
@@ -61,7 +62,7 @@ def main():
             c = torch.compile(m, backend="ckpt", options=opts)
             torch.manual_seed(5); rows[label] = step_peak(c, inputs)
         if getattr(base, "supports_gradient_checkpointing", False):
-            m = copy.deepcopy(base); m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m = copy.deepcopy(base); hf_checkpointing_enable(m, use_reentrant=False)
             torch.manual_seed(5); rows["hf"] = step_peak(m, inputs)
         e = rows["eager"][0]
         out = []

@@ -109,8 +109,28 @@ def test_plot_draws_the_pareto_front(rows, tmp_path):
     assert front and all(not (o.peak_mb < r.peak_mb and o.step_s < r.step_s) for r in front for o in done)
     assert min(done, key=lambda r: r.peak_mb) in front and min(done, key=lambda r: r.step_s) in front
     path = tmp_path / "bench.png"
-    bench.plot(list(rows.values()), str(path), title="tiny")
+    bench.plot([*rows.values(), _row("ckpt:budget:0.001", math.nan, math.nan, error="no plan")], str(path), title="tiny")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_labels_do_not_overlap():
+    """Six setups measured within a few percent of each other: each label still finds a place
+    that overlaps no other label."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    points = [(f"ckpt:budget:0.{k}", 100 + k, 50 + 0.5 * k) for k in range(6)]
+    ax.scatter([x for _, x, _ in points], [y for _, _, y in points])
+    ax.set_xlim(0, 200)
+    ax.set_ylim(0, 100)
+    boxes = bench._label_points(fig, ax, points)
+    plt.close(fig)
+    assert len(boxes) == 6
+    assert not [(i, j) for i in range(6) for j in range(i + 1, 6) if boxes[i].overlaps(boxes[j])]
 
 
 def tiny_cnn():
@@ -187,3 +207,11 @@ def test_gradients_against_other_random_numbers_are_not_reported_as_a_difference
     assert rows[2].grad_note and "Inductor's own random numbers" in rows[2].grad_note and math.isnan(rows[2].grad_rel_diff)
     table = bench.markdown(rows)
     assert "| n/a |" in table and "fallback_random=True" in table
+
+
+def test_a_knob_row_whose_gradients_differ_is_explained():
+    rows = [_row("eager", 100, 1.0), _row("aot_eager-budget:0.5", 40, 0.9), _row("ckpt:budget:0.5", 38, 0.95)]
+    rows[1] = bench.Row(**{**rows[1].__dict__, "grad_rel_diff": 0.61})
+    table = bench.markdown(rows)
+    assert "- aot_eager-budget:0.5: gradients differ from the first setup's (6.1e-01)" in table
+    assert "pytorch/pytorch#190758" in table and "ckpt:budget:0.5: gradients differ" not in table

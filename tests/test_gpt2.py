@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckpt_fx
+from ckpt_fx.bench import hf_checkpointing_enable
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,7 +49,7 @@ def test_gpt2_memory_and_gradients(gpt2):
     eager_peak, eager_grads = measure(gpt2, model, model)
 
     hf = copy.deepcopy(gpt2.model)
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing_enable(hf, use_reentrant=False)
     hf_peak, _ = measure(gpt2, hf, hf)
 
     results = {}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ckpt_fx
+from ckpt_fx.bench import hf_checkpointing_enable
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,8 +53,8 @@ def test_hf_model_blocks_are_found_and_gradients_match(build, stack):
     assert blocks[0].recomputed_ops == 0 and all(bp.recomputed_ops > 0 for bp in blocks[1:])  # skip_first=1
 
 
-def test_gradient_checkpointing_enable_is_replaced_not_doubled():
-    """With HF's gradient_checkpointing_enable() already on, backend="ckpt" re-plans the traced
+def test_hf_checkpointing_is_replaced_not_doubled():
+    """With HF's checkpointing already on (activation_checkpointing_enable), backend="ckpt" re-plans the traced
     checkpoint regions: the backward does about the work of ckpt alone, not a second recompute."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -71,7 +72,7 @@ def test_gradient_checkpointing_enable_is_replaced_not_doubled():
     def setup(gc: bool, ckpt: bool):
         m = copy.deepcopy(model)
         if gc:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf_checkpointing_enable(m, use_reentrant=False)
         fn = torch.compile(m, backend=ckpt_fx.backend(policy="blocks")) if ckpt else m
         backward_flops(fn)  # compile
         flops = backward_flops(fn)

@@ -44,6 +44,18 @@ def test_inductor_gradients_equal_eager_with_dropout(fresh_inductor_cache):
     assert backend.plans and backend.plans[0].recomputed
 
 
+def test_a_low_budget_draws_each_dropout_mask_once(fresh_inductor_cache):
+    """Under Inductor the budget plans with torch's min-cut partitioner, whose own knob at a low
+    budget recomputes dropout with new random numbers (pytorch/pytorch#190758); ours saves every
+    mask: the bench's gradient column, under fallback_random, shows eager's gradients."""
+    from ckpt_fx import bench
+
+    workload = bench.builtin_workload("gpt", layers=2, dim=64, heads=2, batch=2, seq=32, dropout=0.1)
+    eager, ours = bench.run(workload, ("eager", "ckpt-inductor:budget:0.1"), steps=1, fallback_random=True)
+    assert ours.error is None and ours.grad_note is None and ours.peak_ratio < 0.9, ours
+    assert ours.grad_rel_diff < 1e-5, ours
+
+
 def test_inductor_keeps_the_memory_savings_and_the_cache_keeps_policies_apart(fresh_inductor_cache):
     """Same model, same cache folder: `none` then per-block checkpointing. The second compile makes
     its own plan (the cache key holds the policy) and its measured peak is far lower."""
