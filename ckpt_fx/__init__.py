@@ -5,33 +5,60 @@
     gm2 = ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(model), "sqrt", example_inputs=(x,))
 """
 
+import importlib
 import logging
+import sys
+import types
 
-from ckpt_fx import policies
-from ckpt_fx.backend import CkptBackend, Options, backend
-from ckpt_fx.explain import Report, explain
-from ckpt_fx.measure import peak_bytes
-from ckpt_fx.rewrite import RewrittenGraphModule, rewrite_graph
-from passes import BlockPlan, NodeInfo, Plan, SavedTensor, step_peak_bytes
-from passes._compat import CheckpointPolicy
+# Note [A package that imports torch when used]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `python -m ckpt_fx --help` imports this package first; importing torch costs seconds, so the
+# names below are loaded on first use (PEP 562). Two of them, `backend` and `explain`, are both a
+# function here and a submodule: the import system binds a submodule onto its package when it is
+# first imported, which would replace the function, so the package keeps its own binding for
+# those names (`_Package.__setattr__`); `import ckpt_fx.backend` and `from ckpt_fx.backend import
+# ...` still find the module in sys.modules.
+_EXPORTS = {
+    "BlockPlan": "passes",
+    "CheckpointPolicy": "passes._compat",
+    "CkptBackend": "ckpt_fx.backend",
+    "NodeInfo": "passes",
+    "Options": "ckpt_fx.backend",
+    "Plan": "passes",
+    "Report": "ckpt_fx.explain",
+    "RewrittenGraphModule": "ckpt_fx.rewrite",
+    "SavedTensor": "passes",
+    "backend": "ckpt_fx.backend",
+    "explain": "ckpt_fx.explain",
+    "peak_bytes": "ckpt_fx.measure",
+    "policies": None,
+    "rewrite_graph": "ckpt_fx.rewrite",
+    "step_peak_bytes": "passes",
+}
 
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ckpt_fx' has no attribute {name!r}")
+    source = _EXPORTS[name]
+    value = importlib.import_module(f"ckpt_fx.{name}") if source is None else getattr(importlib.import_module(source), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("backend", "explain") and isinstance(value, types.ModuleType):
+            return  # the function keeps the name (Note [A package that imports torch when used])
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 logging.getLogger("ckpt_fx").addHandler(logging.NullHandler())
 
-__all__ = [
-    "BlockPlan",
-    "CheckpointPolicy",
-    "CkptBackend",
-    "NodeInfo",
-    "Options",
-    "Plan",
-    "Report",
-    "RewrittenGraphModule",
-    "SavedTensor",
-    "backend",
-    "explain",
-    "peak_bytes",
-    "policies",
-    "rewrite_graph",
-    "step_peak_bytes",
-]
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

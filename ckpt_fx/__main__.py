@@ -26,6 +26,29 @@ class _Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
 
+def _count(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    """argparse type: ','-separated numbers in (0, 1], e.g. 0.9,0.7,0.5."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ','-separated numbers like 0.7,0.5,0.3, got {text!r}") from None
+    bad = [v for v in values if not 0 < v <= 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"every value must be in (0, 1], got {bad[0]:g}")
+    return values
+
+
 def _progress(label: str) -> None:
     print(f"  ... {label}", file=sys.stderr, flush=True)
 
@@ -92,25 +115,21 @@ def bench(args: argparse.Namespace) -> int:
 
     from ckpt_fx import bench as b
 
-    setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else b.DEFAULT_SETUPS
+    setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else b.default_setups(args.device)
     try:
         if args.sweep:
             if args.setups:
                 raise ValueError("give --setups or --sweep, not both")
-            try:
-                budgets = tuple(float(x) for x in args.sweep.split(","))
-            except ValueError:
-                raise ValueError(f"--sweep: expected ','-separated budgets like 0.9,0.7,0.5, got {args.sweep!r}") from None
-            setups = b.sweep_setups(budgets)
+            setups = b.sweep_setups(args.sweep)
         b.check_setups(setups)
         if args.plot:
             b.require_matplotlib()
         workload = _workload(args).to(args.device)
-        rows = b.run(workload, setups, steps=args.steps, amp=args.amp, progress=True)
+        rows = b.run(workload, setups, steps=args.steps, amp=args.amp, progress=True, fallback_random=args.fallback_random)
     except ValueError as error:
         print(f"python -m ckpt_fx bench: error: {error}", file=sys.stderr)
         return 2
-    amp = ", bf16 autocast" if args.amp else ""
+    amp = (", bf16 autocast" if args.amp else "") + (", Inductor's fallback_random" if args.fallback_random else "")
     where = f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else ""
     print(f"\n{workload.name}; {where}torch {torch.__version__}; {args.steps} timed steps (median){amp}\n")
     print(b.markdown(rows))
@@ -131,10 +150,7 @@ def solvers(args: argparse.Namespace) -> int:
 
     from ckpt_fx import bench as b
 
-    try:
-        fractions = tuple(float(x) for x in args.budgets.split(","))
-    except ValueError:
-        raise ValueError(f"--budgets: expected numbers like '0.5,0.3', got {args.budgets!r}") from None
+    fractions = args.budgets
     names = tuple(s.strip() for s in args.solvers.split(","))
     workload = _workload(args)
     _progress(f"tracing {workload.name}")
@@ -165,6 +181,7 @@ def explain(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"policy": report.policy, "compiler": report.compiler, "predicted_peak_bytes": report.predicted_peak_bytes,
                        "measured_peak_bytes": report.measured_peak_bytes, "eager_peak_bytes": report.eager_peak_bytes,
+                       "no_checkpoint_peak_bytes": report.no_checkpoint_peak_bytes,
                        "blocks": [vars(b) for p in report.plans for b in p.blocks], "warnings": list(report.warnings)},
                       f, indent=2)
     return 0
@@ -207,11 +224,11 @@ def _model_options(p: argparse.ArgumentParser, *, model: str, layers: int) -> No
                         "(a factory returning (model, args) or (model, args, kwargs))")
     p.add_argument("--config", help="config overrides, e.g. 'num_key_value_heads=2,rope_theta=1e4' "
                                     "(built-in and hf: models)")
-    p.add_argument("--layers", type=int, default=layers)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--layers", type=_count, default=layers)
+    p.add_argument("--dim", type=_count, default=256)
+    p.add_argument("--heads", type=_count, default=4)
+    p.add_argument("--batch", type=_count, default=8)
+    p.add_argument("--seq", type=_count, default=256)
 
 
 POLICY_HELP = ('"blocks", "blocks:N", "blocks:every=N,skip_first=K", "segments:N", "sqrt", "selective", '
@@ -223,12 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     d = sub.add_parser("demo", help="train a built-in model with and without checkpointing")
     d.add_argument("--model", choices=("llama", "gpt"), default="llama")
-    d.add_argument("--layers", type=int, default=8)
-    d.add_argument("--dim", type=int, default=256)
-    d.add_argument("--heads", type=int, default=4)
-    d.add_argument("--batch", type=int, default=8)
-    d.add_argument("--seq", type=int, default=256)
-    d.add_argument("--steps", type=int, default=3)
+    d.add_argument("--layers", type=_count, default=8)
+    d.add_argument("--dim", type=_count, default=256)
+    d.add_argument("--heads", type=_count, default=4)
+    d.add_argument("--batch", type=_count, default=8)
+    d.add_argument("--seq", type=_count, default=256)
+    d.add_argument("--steps", type=_count, default=3)
     d.add_argument("--policy", default="blocks", help=POLICY_HELP)
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     d.add_argument("--json", help="also write the results to this file")
@@ -239,24 +256,33 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--measure", action="store_true", help="also measure the peak, with and without checkpointing")
     e.add_argument("--compiler", choices=("inductor", "eager"), default=None,
                    help="inner compiler to plan for (default: CKPT_FX_COMPILER, else inductor)")
-    e.add_argument("--top", type=int, help="list only the N largest saved tensors")
+    e.add_argument("--top", type=_count, help="list only the N largest saved tensors")
     e.add_argument("--json", help="also write the report to this file")
     e.set_defaults(run=explain)
     bn = sub.add_parser("bench", help="peak memory and step time of every setup, side by side")
     _model_options(bn, model="gpt2", layers=12)
-    bn.add_argument("--steps", type=int, default=5)
-    bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks' (default: all)")
-    bn.add_argument("--sweep", help="','-separated budgets, e.g. 0.9,0.7,0.5,0.3,0.15: torch's knob and ckpt:budget at "
+    bn.add_argument("--steps", type=_count, default=3, help="timed steps per setup (the median is shown)")
+    bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks'; forms: eager, checkpoint "
+                    "(HF per-block), sac, inductor-sac, aot_eager, inductor, inductor-budget:<x>, ckpt:<policy>, "
+                    "ckpt-eager:<policy>, ckpt-inductor:<policy> (default on cpu: "
+                    "eager;checkpoint;aot_eager-budget:0.5;ckpt-eager:blocks;ckpt-eager:blocks:every=1,skip_first=0;"
+                    "ckpt-eager:selective;ckpt-eager:budget:0.5 "
+                    "(Inductor compiles cost minutes on a CPU); on cuda the same under Inductor with "
+                    "inductor, inductor-sac and ckpt:none)")
+    bn.add_argument("--sweep", type=_fractions, help="','-separated budgets, e.g. 0.9,0.7,0.5,0.3,0.15: torch's knob and ckpt:budget at "
                     "each, beside Inductor alone, ckpt:none, torch's op-level selective checkpointing, ckpt:selective, "
                     "HF per-block checkpointing beside ours on every block (instead of --setups)")
     bn.add_argument("--amp", action="store_true", help="run every step under bf16 autocast")
+    bn.add_argument("--fallback-random", action="store_true",
+                    help="Inductor draws random numbers as eager does, so the gradient column compares its setups "
+                         "with dropout too (torch._inductor.config.fallback_random)")
     bn.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bn.add_argument("--plot", help="also draw peak against step time (Pareto front) into this PNG (matplotlib)")
     bn.add_argument("--json", help="also write the rows to this file")
     bn.set_defaults(run=bench)
     sv = sub.add_parser("solvers", help="the budget solvers side by side on a model's recompute problem")
     _model_options(sv, model="gpt2", layers=12)
-    sv.add_argument("--budgets", default="0.7,0.5,0.3,0.15",
+    sv.add_argument("--budgets", type=_fractions, default="0.7,0.5,0.3,0.15",
                     help="','-separated fractions of the no-recompute saved bytes")
     sv.add_argument("--solvers", default="milp,greedy,parts,auto")
     sv.add_argument("--time-limit", type=float, default=30.0, help="seconds per MILP")
@@ -276,9 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     ft.add_argument("--json", help="also write one row per memory size and policy to this file")
     ft.set_defaults(run=fit)
     args = parser.parse_args(argv)
-    for name in ("layers", "dim", "heads", "batch", "seq", "steps", "top"):
-        if getattr(args, name, None) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if getattr(args, "policy", None) is not None:
         from ckpt_fx import policies
 

@@ -18,6 +18,7 @@ from passes._compat import (
     RECOMPUTE_KEY,
     aot_autograd,
     boxed_nop,
+    cache_hash,
     default_partition,
     has_inductor_partitioner_hook,
     inductor_with_partitioner,
@@ -223,11 +224,9 @@ class CkptBackend:
         spec = getattr(self.options.policy, "spec", None)
         if spec is None:
             return None
-        from torch._inductor.custom_graph_pass import get_hash_for_files
-
         root = pathlib.Path(__file__).resolve().parents[1]
         files = sorted((root / "passes").glob("*.py")) + [root / "ckpt_fx" / "policies.py"]
-        return f"ckpt_fx:{spec}:strict={self.options.strict}:{get_hash_for_files(tuple(map(str, files))).hex()}"
+        return f"ckpt_fx:{spec}:strict={self.options.strict}:{cache_hash(tuple(map(str, files)))}"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
         if self.options.compiler == "inductor":

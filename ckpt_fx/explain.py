@@ -13,8 +13,9 @@ import torch
 from ckpt_fx import policies
 from ckpt_fx.backend import CkptBackend, Options
 from ckpt_fx.measure import peak_bytes
-from passes._compat import pytree
+from passes._compat import no_fx_graph_cache, pytree
 from passes import Plan, step_peak_bytes
+from passes.memory import copy_graph_module
 from passes.regions import REGION_KEY, forward_nodes
 from passes.select import RECOMPUTE, REASON_KEY
 
@@ -33,6 +34,9 @@ class Report:
     """The inner compiler the plans were made for."""
     measured_peak_bytes: int | None = None
     eager_peak_bytes: int | None = None
+    no_checkpoint_peak_bytes: int | None = None
+    """The predicted peak of the same graphs planned without checkpointing (policy none, every
+    value the backward reads saved): the baseline without measuring."""
     warnings: tuple[str, ...] = field(default_factory=tuple)
     units: tuple[str, ...] = field(default_factory=tuple)
     """How the units were found: blocks nested in stages, calls of a shared module, heavy units."""
@@ -63,11 +67,14 @@ class Report:
         for s in listed:
             shape = "x".join(map(str, s.shape)) or "scalar"
             dtype = str(s.dtype).replace("torch.", "")
-            out.append(f"  {s.module_path or '<top>':40s} {s.op:36s} {shape:>18s} {dtype:8s} {s.nbytes / mb:8.3f} MB")
+            out.append(f"  {s.module_path or '<top>':40s} {_described(s.op):40s} {shape:>18s} {dtype:8s} {s.nbytes / mb:8.3f} MB")
         if top is not None and len(saved) > top:
             out.append(f"  ... and {len(saved) - top} smaller ones")
         out.append("")
         line = f"predicted peak: {self.predicted_peak_bytes / mb:.1f} MB"
+        if self.no_checkpoint_peak_bytes:
+            line += (f" ({self.predicted_peak_bytes / self.no_checkpoint_peak_bytes:.2f}x the "
+                     f"{self.no_checkpoint_peak_bytes / mb:.1f} MB predicted without checkpointing)")
         if self.measured_peak_bytes is not None:
             line += f"; measured: {self.measured_peak_bytes / mb:.1f} MB"
         if self.eager_peak_bytes is not None:
@@ -80,6 +87,26 @@ class Report:
             out.append("")
             out.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(out)
+
+
+# Saved values that are not activations: what random ops need to draw the same numbers again.
+_RANDOM_STATE = ("inductor_seeds", "inductor_lookup_seed", "run_and_save_rng_state", "graphsafe_run_with_rng_state",
+                 "get_rng_state", "philox_rand", "philox_seed_like")
+_DROPOUT_MASKS = ("native_dropout[1]", "gt(inductor_random)", "lt(inductor_random)", "ge(inductor_random)",
+                  "le(inductor_random)")
+
+
+def _described(op: str) -> str:
+    """A saved value's op, with what it is when it is no activation: random-number state, a
+    dropout mask."""
+    inner = op
+    while inner.startswith(("detach(", "alias(")) and inner.endswith(")"):
+        inner = inner[inner.index("(") + 1 : -1]
+    if inner.split("[")[0] in _RANDOM_STATE:
+        return f"{op} (random-number state)"
+    if inner in _DROPOUT_MASKS:
+        return f"{op} (dropout mask)"
+    return op
 
 
 def training_loss(out: Any) -> torch.Tensor:
@@ -113,7 +140,10 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     joints: list[torch.fx.GraphModule] = []
     inner = backend.partition
 
+    unplanned = []  # each joint graph as it came, to plan again without checkpointing
+
     def partition(joint, joint_inputs, **kw):
+        unplanned.append((copy_graph_module(joint), joint_inputs, kw))
         result = inner(joint, joint_inputs, **kw)
         joints.append(joint)
         return result
@@ -126,12 +156,10 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
         torch.manual_seed(0)
         training_loss(fn(*args, **kwargs)).backward()
 
-    import torch._inductor.config as inductor_config
-
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
     cuda = [device.index or 0] if device.type == "cuda" else []
     # A plan served from Inductor's FX graph cache would not be made again: nothing to report.
-    with torch.random.fork_rng(devices=cuda), inductor_config.patch(fx_graph_cache=False):
+    with torch.random.fork_rng(devices=cuda), no_fx_graph_cache():
         step(compiled)
         measured = eager = None
         if measure:
@@ -144,6 +172,9 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
                 p.grad = None
             eager = peak_bytes(lambda: step(plain), device=device)
     plans = tuple(backend.plans)
+    baseline = CkptBackend(Options(policy=policies.parse("none"), compiler="eager"))
+    for joint, joint_inputs, kw in unplanned:
+        baseline.partition(joint, joint_inputs, **kw)
     return Report(
         policy=name,
         plans=plans,
@@ -151,6 +182,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
         compiler=options.compiler,
         measured_peak_bytes=measured,
         eager_peak_bytes=eager,
+        no_checkpoint_peak_bytes=step_peak_bytes(baseline.plans) if baseline.plans else None,
         warnings=tuple(_pitfalls(name, plans, joints)),
         units=tuple(_units(joints)),
     )

@@ -48,7 +48,8 @@ from ckpt_fx import policies as policy_forms
 from ckpt_fx.backend import CkptBackend, Options
 from ckpt_fx.explain import _fresh_function, training_loss
 from passes import Plan, step_peak_bytes
-from passes._compat import FakeCopyMode, FakeTensor, FakeTensorMode
+from passes.memory import copy_graph_module
+from passes._compat import FakeCopyMode, FakeTensor, FakeTensorMode, mark_dynamic
 
 DEFAULT_POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "budget:fit")
 BUDGET_AT_THE_CAP = "budget:fit"
@@ -367,7 +368,7 @@ def _mark_batch(args: Any, kwargs: Any, batch_dim: int) -> int:
         raise ValueError("fit: trace with a batch of at least 2 (torch specialises a dimension of size 1, "
                          "so the plan could not be evaluated at other batch sizes)")
     for t in tensors:
-        torch._dynamo.mark_dynamic(t, batch_dim)
+        mark_dynamic(t, batch_dim)
     return batch
 
 
@@ -381,7 +382,7 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
     first, inner = backends[0], backends[0].partition
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any):
-        copies = [_copy(joint) for _ in backends[1:]]  # before any pass changes the joint graph
+        copies = [copy_graph_module(joint) for _ in backends[1:]]  # before any pass changes the joint graph
         for backend, joint_copy in zip(backends[1:], copies):
             backend.partition(joint_copy, joint_inputs, **kw)
         return inner(joint, joint_inputs, **kw)
@@ -402,15 +403,6 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
             raise RuntimeError(f"fit: {policy_forms.policy_name(policy)} planned no graph (see the warning above)")
         out.append((list(backend.plans), sum(p.step_flops for p in backend.plans)))
     return out
-
-
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of a graph module's graph (node names kept, each node's meta copied one level deep)."""
-    graph = torch.fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    graph.output(output).meta = copy.copy(old_output.meta)
-    return torch.fx.GraphModule(gm, graph)
 
 
 def _batch_symbols(plans: list[Plan], batch: int) -> dict[int, tuple[str, ...]]:

@@ -46,4 +46,4 @@ for name, policy in [("no checkpointing", None), ("every 4th block (blocks:4)", 
     fn = model if policy is None else torch.compile(model, backend="ckpt", options={"policy": policy})
     losses, peak = train(model, fn)
     print(f"{name:28s} first losses {', '.join(f'{v:.4f}' for v in losses[:4])}  peak {peak / 2**20:6.1f} MB")
-    torch._dynamo.reset()
+    torch.compiler.reset()

@@ -41,6 +41,11 @@ __all__ = [
     "is_primal",
     "is_tangent",
     "size_hint",
+    "cache_hash",
+    "inductor_random_as_eager",
+    "mark_dynamic",
+    "no_fx_graph_cache",
+    "per_block_checkpointing",
 ]
 
 # The meta key torch's partitioners read for per-node recompute decisions.
@@ -165,3 +170,47 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None) -
             return compile_fx(gm, example_inputs)
 
     return compile_with_partitioner
+
+
+def inductor_random_as_eager(on: bool = True):
+    """A context in which Inductor draws random numbers as eager does (its fallback_random), when
+    `on`; else one that changes nothing."""
+    import contextlib
+
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fallback_random=True) if on else contextlib.nullcontext()
+
+
+def no_fx_graph_cache():
+    """A context in which Inductor compiles afresh instead of serving a graph from its FX graph
+    cache (a cached graph makes no plan and times no compile)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fx_graph_cache=False)
+
+
+def cache_hash(files: tuple[str, ...]) -> str:
+    """Inductor's hash of the contents of `files` (hex), for a cache key that changes with them."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files(files).hex()
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Tell Dynamo to trace dimension `dim` of `t` as a symbol, not a constant."""
+    torch._dynamo.mark_dynamic(t, dim)
+
+
+def per_block_checkpointing(model: torch.nn.Module, is_block: Callable[[torch.nn.Module], bool],
+                            **checkpoint_kwargs: Any) -> torch.nn.Module:
+    """torch.utils.checkpoint around every submodule `is_block` accepts, in place: torch's
+    apply_activation_checkpointing (the FSDP recipe) with the non-reentrant wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    wrapper = functools.partial(checkpoint_wrapper, **checkpoint_kwargs)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=is_block)
+    return model

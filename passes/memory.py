@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 import types
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from passes._compat import is_fusible, is_primal, is_tangent, size_at, size_hint, symbols_of
+from passes._compat import OpOverload, is_fusible, is_primal, is_tangent, size_at, size_hint, symbols_of
 from passes.costs import is_view, node_flops, tensor_bytes
 from passes.regions import PATH_KEY, REGION_KEY
 
@@ -332,18 +333,29 @@ def _snapshot(gm: torch.fx.GraphModule) -> types.SimpleNamespace:
     return types.SimpleNamespace(graph=graph)
 
 
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a graph module's graph (node names kept, each node's meta copied one level deep),
+    to plan again after passes have changed the original."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph.output(output).meta = copy.copy(old_output.meta)
+    return torch.fx.GraphModule(gm, graph)
+
+
 def op_name(node: torch.fx.Node) -> str:
     """The op that made a value, as people read it: "convolution", "native_layer_norm[0]" for an
-    element of a tuple, "detach(relu)" for an alias; a placeholder is "placeholder"."""
+    element of a tuple, "detach(relu)" for an alias, "gt(inductor_random)" for a dropout mask drawn
+    by Inductor; a placeholder is "placeholder"."""
     if node.op != "call_function":
         return node.op
     target = node.target
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if target is operator.getitem and first is not None:
         return f"{op_name(first)}[{node.args[1]}]"
-    name = target._opname if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
-    if name in ("detach", "alias") and first is not None:
-        return f"{name}({op_name(first)})"
+    name = target._opname if isinstance(target, OpOverload) else getattr(target, "__name__", str(target))
+    if first is not None and (name in ("detach", "alias") or (name in ("gt", "lt", "ge", "le") and op_name(first) == "inductor_random")):
+        return f"{name}({op_name(first)})"  # an alias, or a mask drawn from Inductor's random numbers
     return name
 
 

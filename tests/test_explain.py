@@ -30,7 +30,22 @@ def test_report_lists_blocks_saved_tensors_and_peaks():
     assert report.measured_peak_bytes < report.eager_peak_bytes
     assert abs(report.predicted_peak_bytes - report.measured_peak_bytes) <= 0.15 * report.measured_peak_bytes
     assert "predicted peak:" in text and "measured:" in text
+    # The baseline without measuring: the same graphs planned without checkpointing, within 15% of
+    # eager's measured peak, and above the plan's.
+    assert report.predicted_peak_bytes < report.no_checkpoint_peak_bytes
+    assert abs(report.no_checkpoint_peak_bytes - report.eager_peak_bytes) <= 0.15 * report.eager_peak_bytes
+    assert "predicted without checkpointing)" in text
+    assert "native_dropout[1] (dropout mask)" in saved  # what is no activation says so
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and all(p.grad is None for p in model.parameters())
+
+
+def test_saved_values_that_are_no_activations_are_named():
+    from ckpt_fx.explain import _described
+
+    assert _described("inductor_seeds") == "inductor_seeds (random-number state)"
+    assert _described("detach(run_and_save_rng_state[0])") == "detach(run_and_save_rng_state[0]) (random-number state)"
+    assert _described("gt(inductor_random)") == "gt(inductor_random) (dropout mask)"
+    assert _described("native_layer_norm[1]") == "native_layer_norm[1]"
 
 
 def test_policy_that_matches_nothing_warns():

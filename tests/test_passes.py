@@ -200,3 +200,41 @@ def test_fused_costs_price_a_pointwise_recompute_as_its_reads_and_a_matmul_as_be
     relu, mm = nodes[torch.ops.aten.relu.default], nodes[torch.ops.aten.mm.default]
     assert 0 < roofline_cost(relu, "cpu", fused=True) < roofline_cost(relu, "cpu") / 2
     assert roofline_cost(mm, "cpu", fused=True) == roofline_cost(mm, "cpu")
+
+
+def _dotted(node) -> str | None:
+    import ast
+
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def test_private_torch_modules_only_through_compat():
+    """README: every private torch module the code imports is reached through passes/_compat.py
+    (aten ops under torch.ops are named where they are matched); and the floors import one way:
+    passes/ never imports ckpt_fx."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    private = lambda name: any(p.startswith("_") and not p.startswith("__") for p in name.split(".")[1:])  # noqa: E731
+    found, upward = [], []
+    for path in sorted([*root.glob("ckpt_fx/*.py"), *root.glob("passes/*.py"), *root.glob("examples/*.py")]):
+        if path.name == "_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Attribute) and (name := _dotted(node)) and not name.startswith("torch.ops."):
+                names = [name]
+            found += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n.startswith("torch.") and private(n)]
+            upward += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names
+                       if path.parent.name == "passes" and n.split(".")[0] == "ckpt_fx"]
+    assert not found, found
+    assert not upward, upward
