@@ -156,7 +156,7 @@ def solvers(args: argparse.Namespace) -> int:
     _progress(f"tracing {workload.name}")
     problem, nodes = b.joint_problem(workload)
     _progress(f"{nodes} joint-graph nodes, {len(problem)} values; solving")
-    rows = b.solver_rows(problem, fractions, solvers=names, time_limit=args.time_limit)
+    rows = b.solver_rows(problem, fractions, solvers=names, node_limit=args.node_limit)
     print(f"\n{workload.name}: {nodes} joint-graph nodes, {len(problem)} values; torch {torch.__version__}\n")
     print(b.solver_markdown(rows))
     return 0
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--budgets", type=_fractions, default="0.7,0.5,0.3,0.15",
                     help="','-separated fractions of the no-recompute saved bytes")
     sv.add_argument("--solvers", default="milp,greedy,parts,auto")
-    sv.add_argument("--time-limit", type=float, default=30.0, help="seconds per MILP")
+    sv.add_argument("--node-limit", type=_count, default=100_000, help="branch-and-bound nodes per MILP")
     sv.set_defaults(run=solvers)
     ft = sub.add_parser("fit", help="will a training step fit? its peak per policy, planned without the hardware")
     _model_options(ft, model="llama", layers=8)

@@ -673,16 +673,16 @@ def joint_problem(workload: Workload):
 
 
 def solver_rows(problem, fractions: tuple[float, ...] = (0.7, 0.5, 0.3, 0.15), *,
-                solvers: tuple[str, ...] = ("milp", "greedy", "parts", "auto"), time_limit: float = 30.0) -> list[SolverRow]:
+                solvers: tuple[str, ...] = ("milp", "greedy", "parts", "auto"), node_limit: int = 100_000) -> list[SolverRow]:
     """Every solver at every budget (a fraction of the no-recompute saved bytes) on one problem;
     the gap is measured against the MILP's proven optimum."""
     from passes.budget import baseline_bytes
     from passes.solve import Infeasible, by_parts, greedy, milp, solve
 
     run = {
-        "milp": lambda p, b: milp(p, b, time_limit=time_limit),
+        "milp": lambda p, b: milp(p, b, node_limit=node_limit),
         "greedy": greedy,
-        "parts": lambda p, b: by_parts(p, b, time_limit=time_limit),
+        "parts": lambda p, b: by_parts(p, b, node_limit=node_limit),
         "auto": solve,
     }
     unknown = sorted(set(solvers) - set(run))

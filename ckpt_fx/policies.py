@@ -270,14 +270,14 @@ BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 
 COSTS = ("roofline", "measured")
 
 
-def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5, costs: str = "roofline") -> Policy:
+def budget(limit: float | str, *, solver: str = "auto", node_limit: int = 10_000, costs: str = "roofline") -> Policy:
     """The cheapest plan whose predicted peak fits `limit`.
 
     `limit` is a fraction of the activation memory of the step without checkpointing (0.3 keeps
     the predicted peak at gradients + 30% of the rest), or a size for the step's predicted peak
     of the graph ("2GiB", "512MB"). Candidate plans come from passes.solve (Note [The recompute
-    problem]: least recompute cost for a number of saved bytes; exact MILP under `time_limit`
-    seconds, the exact chain DP for chains, exact through alike blocks, greedy on large graphs;
+    problem]: least recompute cost for a number of saved bytes; exact MILP within `node_limit`
+    branch-and-bound nodes, the exact chain DP for chains, exact through alike blocks, greedy on large graphs;
     `solver` picks one), each one's peak is predicted from the joint graph, and the cheapest that
     fits is partitioned (Note [Peak-aware budget]). Embeddings and hard-ruled ops are never
     recomputed; what crosses a block's edge is kept.
@@ -291,8 +291,8 @@ def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5,
     fraction, nbytes = _budget_value(limit)
     if solver != "auto" and solver not in SOLVERS:
         raise ValueError(f"budget: unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
-    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or time_limit <= 0:
-        raise ValueError(f"budget: time_limit must be a positive number of seconds, got {time_limit!r}")
+    if isinstance(node_limit, bool) or not isinstance(node_limit, int) or node_limit < 1:
+        raise ValueError(f"budget: node_limit must be a whole number >= 1, got {node_limit!r}")
     if costs not in COSTS:
         raise ValueError(f"budget: unknown costs {costs!r}; valid: {', '.join(COSTS)}")
     shown = f"{fraction:g}" if fraction is not None else f"{limit.strip()!r}"  # type: ignore[union-attr]
@@ -301,7 +301,7 @@ def budget(limit: float | str, *, solver: str = "auto", time_limit: float = 1.5,
         raise RuntimeError("budget() decides over the whole graph: the pipeline asks it for candidates")
 
     def candidates(gm, hard_rules: dict[str, str], *, fused: bool = False) -> Iterator[Policy]:
-        return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=solver, time_limit=time_limit,
+        return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=solver, node_limit=node_limit,
                                   costs=costs, fused=fused)
 
     def chooser() -> Chooser:

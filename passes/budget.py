@@ -244,14 +244,14 @@ class Choice:
 
 
 def candidate_policies(
-    gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str, time_limit: float,
+    gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str, node_limit: int,
     costs: str = "roofline", fused: bool = False,
 ) -> Iterator[Callable]:
     """Per-node policies for the distinct plans at the grid's saved-bytes fractions, then the plan
     that saves least, most saved first (so least recompute first); made lazily. `costs` is
     "roofline" (Note [Roofline cost]) or "measured" (measured_costs); `fused`: planned for the
     min-cut partition under Inductor (fused pointwise costs, decisions(fused=True))."""
-    from passes.solve import Infeasible, pareto_front, parts_pay_off, smallest_budget
+    from passes.solve import FRONT_SOLVES, Infeasible, pareto_front, parts_pay_off, smallest_budget
 
     cost = measured_costs(graph_device(gm)) if costs == "measured" else None
     graph = build_problem(gm, hard_rules=hard_rules, cost=cost, fused=fused)
@@ -261,16 +261,16 @@ def candidate_policies(
     # candidate is a point on it (Note [Independent parts]).
     front = None
     if solver == "parts" or (solver == "auto" and parts_pay_off(problem)):
-        # Under auto, a front not found within a few MILP time limits gives way to one MILP per
-        # candidate (a part with too many front points).
-        front = pareto_front(problem, time_limit=time_limit, seconds=math.inf if solver == "parts" else 2 * time_limit)
+        # Under auto, a front not found within FRONT_SOLVES exact solves gives way to one MILP per
+        # candidate (a part with too many front points; Note [Plans bounded by counts]).
+        front = pareto_front(problem, node_limit=node_limit, max_solves=math.inf if solver == "parts" else FRONT_SOLVES)
         if not front.exact and solver == "auto":
             front = None
 
     def plan(b: int | None) -> Solution:
         if front is not None:
             return front.solution(problem, front.nbytes[-1] if b is None else b)
-        return solve(problem, smallest_budget(problem) if b is None else b, solver=solver, time_limit=time_limit,
+        return solve(problem, smallest_budget(problem) if b is None else b, solver=solver, node_limit=node_limit,
                      try_parts=False)  # parts were tried above
 
     seen = set()

@@ -25,6 +25,7 @@ and it minimises sum(cost[R]) (then the saved bytes, to break ties). Every solve
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -141,9 +142,9 @@ def closure(problem: Problem, saved: set[int] | frozenset[int]) -> set[int] | No
 
 
 def smallest_budget(problem: Problem) -> int:
-    """The fewest bytes any valid plan saves (exact: a MILP minimising bytes; greedy bound when the
-    MILP is cut short)."""
-    return _milp(problem, budget=None, time_limit=10.0).saved_bytes
+    """The fewest bytes any valid plan saves (a MILP minimising bytes; the best it found when its
+    node limit cut it short)."""
+    return _milp(problem, budget=None, node_limit=NODE_LIMIT).saved_bytes
 
 
 # --- greedy -------------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def greedy(problem: Problem, budget: int) -> Solution:
         total -= freed
     if total > budget:
         # Stuck: no single drop frees bytes any more. The plan that saves least may still fit.
-        least = _milp(problem, budget=None, time_limit=10.0)
+        least = _milp(problem, budget=None, node_limit=NODE_LIMIT)
         if least.saved_bytes > budget:
             raise Infeasible(budget, least.saved_bytes)
         saved = set(least.saved)
@@ -284,12 +285,26 @@ def _pareto(entries: list) -> list:
 # --- MILP ---------------------------------------------------------------------------------------
 
 
-def milp(problem: Problem, budget: int, *, time_limit: float = 10.0) -> Solution:
-    """Exact for any graph (scipy's HiGHS); optimal=False when the time limit cut it short."""
-    return _milp(problem, budget=budget, time_limit=time_limit)
+# Note [Plans bounded by counts]
+# The same graph and options must give the same plan: two ranks of one DDP job, or two runs of one
+# script, must not differ because one machine was busier. So the solvers' work is bounded by
+# counts, not seconds: a MILP by HiGHS's branch-and-bound nodes (NODE_LIMIT; the GPT-2 and LLaMA
+# problems of the tests and benches are proven optimal within 13), a Pareto front by the exact
+# solves it makes (FRONT_SOLVES). A time limit remains only as a safety net far above what any
+# tested problem needs (SAFETY_SECONDS); a MILP that reaches it logs that its plan depended on the
+# clock.
+NODE_LIMIT = 10_000
+FRONT_SOLVES = 400
+SAFETY_SECONDS = 300.0
 
 
-def _milp(problem: Problem, *, budget: int | None, time_limit: float) -> Solution:
+def milp(problem: Problem, budget: int, *, node_limit: int = NODE_LIMIT) -> Solution:
+    """Exact for any graph (scipy's HiGHS); optimal=False when `node_limit` branch-and-bound nodes
+    cut it short (Note [Plans bounded by counts])."""
+    return _milp(problem, budget=budget, node_limit=node_limit)
+
+
+def _milp(problem: Problem, *, budget: int | None, node_limit: int) -> Solution:
     """budget=None minimises saved bytes instead of cost (the smallest feasible budget)."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint
@@ -320,14 +335,18 @@ def _milp(problem: Problem, *, budget: int | None, time_limit: float) -> Solutio
         constraints=LinearConstraint(a, lower, upper),
         integrality=np.ones(2 * n),
         bounds=Bounds(np.zeros(2 * n), model.ub),
-        options={"time_limit": time_limit, "mip_rel_gap": 1e-9},
+        options={"node_limit": node_limit, "time_limit": SAFETY_SECONDS, "mip_rel_gap": 1e-9},
     )
+    if time.perf_counter() - start >= SAFETY_SECONDS:
+        logging.getLogger("ckpt_fx").warning(
+            "ckpt_fx: a MILP of %d values reached its %.0f s safety limit: this plan depends on the machine's "
+            "speed (solver='greedy' plans by counts alone)", n, SAFETY_SECONDS)
     if result.x is None:
         if budget is not None and result.status == 2:  # infeasible
             raise Infeasible(budget, smallest_budget(problem))
         if budget is None:
             raise ValueError(f"milp: no plan at all for this problem ({result.message})")
-        return greedy(problem, budget)  # the time limit hit before any plan: fall back
+        return greedy(problem, budget)  # the limit hit before any plan: fall back
     x = np.round(result.x).astype(int)
     saved = {i for i in range(n) if x[i]}
     recomputed = closure(problem, saved)
@@ -509,14 +528,16 @@ def _contract(problem: Problem) -> tuple[Problem, list[int]]:
     return small, keep
 
 
-def _part_front(problem: Problem, time_limit: float, deadline: float = math.inf) -> Front:
+def _part_front(problem: Problem, node_limit: int, solves: list[int]) -> Front:
     """A part's front, walking down from the plan that recomputes least: the cheapest plan under
-    budget b, then under (its saved bytes - 1), until none fits (on the contracted problem)."""
+    budget b, then under (its saved bytes - 1), until none fits (on the contracted problem).
+    `solves` is the count of exact solves left to all parts (each part makes at least one)."""
     whole, (problem, keep) = problem, _contract(problem)
-    exact_solver = chain_dp if problem.is_chain() else (lambda p, b: milp(p, b, time_limit=time_limit))
+    exact_solver = chain_dp if problem.is_chain() else (lambda p, b: milp(p, b, node_limit=node_limit))
     nbytes, cost, plans, exact = [], [], [], True
     budget = sum(problem.nbytes)
-    while len(nbytes) < FRONT_MAX_POINTS and (not nbytes or time.perf_counter() < deadline):
+    while len(nbytes) < FRONT_MAX_POINTS and (not nbytes or solves[0] > 0):
+        solves[0] -= 1
         try:
             sol = exact_solver(problem, budget)
         except Infeasible:
@@ -539,12 +560,13 @@ def _part_front(problem: Problem, time_limit: float, deadline: float = math.inf)
     return Front(tuple(nbytes), tuple(cost), plans.__getitem__, exact)
 
 
-def pareto_front(problem: Problem, *, time_limit: float = 1.5, seconds: float = math.inf) -> Front:
+def pareto_front(problem: Problem, *, node_limit: int = NODE_LIMIT, max_solves: float = math.inf) -> Front:
     """The whole problem's front from its parts' fronts (Note [Independent parts]); walking the
-    parts' fronts stops after `seconds` (the front is then not exact)."""
+    parts' fronts stops after `max_solves` exact solves in all (the front is then not exact; Note
+    [Plans bounded by counts])."""
     import numpy as np
 
-    deadline = time.perf_counter() + seconds
+    solves = [max_solves]
     members = parts(problem)
     cache: dict[tuple, Front] = {}
     fronts = []
@@ -552,7 +574,7 @@ def pareto_front(problem: Problem, *, time_limit: float = 1.5, seconds: float = 
         sub = _sub(problem, m)
         key = _shape(sub)
         if key not in cache:
-            cache[key] = _part_front(sub, time_limit, deadline)
+            cache[key] = _part_front(sub, node_limit, solves)
         fronts.append(cache[key])
     # Sum the fronts one part at a time, keeping for each point which point of each part made it.
     total_b = np.zeros(1, dtype=np.int64)
@@ -601,44 +623,44 @@ def parts_pay_off(problem: Problem) -> bool:
     return 4 * sum(distinct.values()) <= len(problem)
 
 
-def by_parts(problem: Problem, budget: int, *, time_limit: float = 1.5, seconds: float = math.inf) -> Solution:
+def by_parts(problem: Problem, budget: int, *, node_limit: int = NODE_LIMIT, max_solves: float = math.inf) -> Solution:
     """Exact through the problem's independent parts (Note [Independent parts]); optimal=False when
-    a part's front could not be proven exact (or was cut short after `seconds`)."""
+    a part's front could not be proven exact (or was cut short after `max_solves` solves)."""
     start = time.perf_counter()
-    return pareto_front(problem, time_limit=time_limit, seconds=seconds).solution(problem, budget, start=start)
+    return pareto_front(problem, node_limit=node_limit, max_solves=max_solves).solution(problem, budget, start=start)
 
 
 SOLVERS: dict[str, Solver] = {"chain_dp": chain_dp, "milp": milp, "greedy": greedy, "parts": by_parts}
 
 
 def solve(
-    problem: Problem, budget: int, *, solver: str = "auto", time_limit: float = 1.5, try_parts: bool = True
+    problem: Problem, budget: int, *, solver: str = "auto", node_limit: int = NODE_LIMIT, try_parts: bool = True
 ) -> Solution:
     """The best available plan: chain_dp for chains, else through independent parts when that
-    pays off (parts_pay_off, `try_parts`) and their fronts are found exactly within two time
-    limits, else the MILP under `time_limit` (up to
-    `MILP_MAX_VALUES` values), else greedy; the better of MILP and greedy when the MILP was cut
-    short."""
+    pays off (parts_pay_off, `try_parts`) and their fronts are found exactly within FRONT_SOLVES
+    solves, else the MILP within `node_limit` nodes (up to `MILP_MAX_VALUES` values), else greedy;
+    the better of MILP and greedy when the MILP was cut short. Bounded by counts alone (Note
+    [Plans bounded by counts])."""
     if solver == "chain_dp":
         return chain_dp(problem, budget)
     if solver == "greedy":
         return greedy(problem, budget)
     if solver == "milp":
-        return milp(problem, budget, time_limit=time_limit)
+        return milp(problem, budget, node_limit=node_limit)
     if solver == "parts":
-        return by_parts(problem, budget, time_limit=time_limit)
+        return by_parts(problem, budget, node_limit=node_limit)
     if solver != "auto":
         raise ValueError(f"unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
     if problem.is_chain():
         return chain_dp(problem, budget)
     if try_parts and parts_pay_off(problem):
-        split = by_parts(problem, budget, time_limit=time_limit, seconds=2 * time_limit)
+        split = by_parts(problem, budget, node_limit=node_limit, max_solves=FRONT_SOLVES)
         if split.optimal:
             return split
     fast = greedy(problem, budget)
     if len(problem) > MILP_MAX_VALUES:
         return fast
-    exact = milp(problem, budget, time_limit=time_limit)
+    exact = milp(problem, budget, node_limit=node_limit)
     return exact if exact.optimal or exact.cost <= fast.cost else fast
 
 
