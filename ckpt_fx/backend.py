@@ -7,6 +7,7 @@ import logging
 import os
 import pathlib
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,12 +115,35 @@ class Options:
         return Options(**Options.merged(options))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Partitioned:
+    """One graph the backend partitioned, as its observers see it (CkptBackend.on_partitioned)."""
+
+    joint: torch.fx.GraphModule
+    """The joint graph, its nodes' meta holding the passes' decisions (module paths, regions, the
+    recompute tags and why)."""
+    joint_inputs: Any
+    kwargs: dict[str, Any]
+    """AOTAutograd's keyword arguments to the partitioner (num_fwd_outputs, ...)."""
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    """The graphs returned to AOTAutograd; an observer may change them in place."""
+    plan: Plan | None
+    """None when the graph fell back to the default partition."""
+
+
 class CkptBackend:
-    """A torch.compile backend; keeps the Plan of every graph it compiled in `plans`."""
+    """A torch.compile backend; keeps the Plan of every graph it compiled in `plans`.
+
+    Observers: each callable in `on_joint` is called with (joint, joint_inputs, kwargs) as
+    AOTAutograd hands a joint graph over, before any pass changes it (to copy it, say); each in
+    `on_partitioned` with a Partitioned record once it is planned, before the graphs go back."""
 
     def __init__(self, options: Options):
         self.options = options
         self.plans: list[Plan] = []
+        self.on_joint: list[Callable[[torch.fx.GraphModule, Any, dict[str, Any]], None]] = []
+        self.on_partitioned: list[Callable[[Partitioned], None]] = []
         self._graphs = 0
         self._warned: set[str] = set()
 
@@ -135,6 +159,8 @@ class CkptBackend:
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         """AOTAutograd's partition_fn: our pipeline, or the default partition with one warning."""
+        for observe in self.on_joint:
+            observe(joint, joint_inputs, kwargs)
         name = policies.policy_name(self.options.policy)
         self._graphs += 1
         debug = self.options.debug
@@ -179,6 +205,10 @@ class CkptBackend:
                 plan.recompute_flops / 1e9,
                 plan.peak_bytes / 2**20,
             )
+        if self.on_partitioned:
+            record = Partitioned(joint=joint, joint_inputs=joint_inputs, kwargs=kwargs, forward=fw, backward=bw, plan=plan)
+            for observe in self.on_partitioned:
+                observe(record)
         return fw, bw
 
     def _warn_if_outputs_held(self, plan: Plan) -> None:

@@ -658,13 +658,7 @@ def joint_problem(workload: Workload):
 
     b = ckpt_backend(policy="none", compiler="eager")
     joints = []
-    inner = b.partition
-
-    def partition(joint, joint_inputs, **kwargs):
-        joints.append(joint)
-        return inner(joint, joint_inputs, **kwargs)
-
-    b.partition = partition
+    b.on_partitioned.append(lambda done: joints.append(done.joint))
     model = copy.deepcopy(workload.model)
     workload.loss(torch.compile(model, backend=b)).backward()
     torch.compiler.reset()

@@ -138,17 +138,9 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     name = policies.policy_name(options.policy)
     backend = CkptBackend(options)
     joints: list[torch.fx.GraphModule] = []
-    inner = backend.partition
-
     unplanned = []  # each joint graph as it came, to plan again without checkpointing
-
-    def partition(joint, joint_inputs, **kw):
-        unplanned.append((copy_graph_module(joint), joint_inputs, kw))
-        result = inner(joint, joint_inputs, **kw)
-        joints.append(joint)
-        return result
-
-    backend.partition = partition  # type: ignore[method-assign]
+    backend.on_joint.append(lambda joint, joint_inputs, kw: unplanned.append((copy_graph_module(joint), joint_inputs, kw)))
+    backend.on_partitioned.append(lambda done: joints.append(done.joint))
     work = copy.deepcopy(model)
     compiled = torch.compile(_fresh_function(lambda *a, **k: work(*a, **k)), backend=backend)
 

@@ -379,15 +379,14 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
     policy's backend is copied to every other policy's first. A policy in `lenient` (a budget at
     the cap) plans its lowest with a warning where no plan reaches it; the others raise."""
     backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient)) for p in policies]
-    first, inner = backends[0], backends[0].partition
+    first = backends[0]
 
-    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any):
+    def plan_others(joint: torch.fx.GraphModule, joint_inputs: Any, kw: dict[str, Any]) -> None:
         copies = [copy_graph_module(joint) for _ in backends[1:]]  # before any pass changes the joint graph
         for backend, joint_copy in zip(backends[1:], copies):
             backend.partition(joint_copy, joint_inputs, **kw)
-        return inner(joint, joint_inputs, **kw)
 
-    first.partition = partition  # type: ignore[method-assign]
+    first.on_joint.append(plan_others)
     for p in model.parameters():
         p.grad = None
     compiled = torch.compile(_fresh_function(lambda *a, **k: model(*a, **k)), backend=first)

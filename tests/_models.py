@@ -195,13 +195,9 @@ class Recorder:
         self.graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
         self.forwards: list[torch.fx.GraphModule] = []
         self.kwargs: list[dict] = []
-        inner = self.backend.partition
+        self.backend.on_partitioned.append(self._record)
 
-        def partition(joint, joint_inputs, **kwargs):
-            fw, bw = inner(joint, joint_inputs, **kwargs)
-            self.graphs.append((joint, bw))
-            self.forwards.append(fw)
-            self.kwargs.append(kwargs)
-            return fw, bw
-
-        self.backend.partition = partition
+    def _record(self, done) -> None:
+        self.graphs.append((done.joint, done.backward))
+        self.forwards.append(done.forward)
+        self.kwargs.append(done.kwargs)

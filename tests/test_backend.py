@@ -145,3 +145,23 @@ def test_policy_that_matches_nothing_warns_once():
         torch._dynamo.reset()
         train_step(make(SPEC), inputs(SPEC, 2, 6), b)
     assert sum("recomputes nothing" in str(w.message) for w in record) == 1
+
+
+def test_observers_see_each_graph_before_the_passes_and_after_its_plan():
+    """CkptBackend.on_joint sees a joint graph as AOTAutograd hands it over (no decision in its
+    meta yet); on_partitioned the same graph with its decisions, the graphs returned and the plan."""
+    from passes.select import REASON_KEY
+
+    b = ckpt_fx.backend(policy="blocks", compiler="eager", strict=True)
+    before, after = [], []
+    b.on_joint.append(lambda joint, joint_inputs, kw: before.append(
+        (joint, any(REASON_KEY in n.meta for n in joint.graph.nodes), kw["num_fwd_outputs"])))
+    b.on_partitioned.append(after.append)
+    train_step(make(SPEC), inputs(SPEC, 2, 4), b)
+    assert len(before) == len(after) == len(b.plans) == 1
+    joint, decided, outputs = before[0]
+    assert not decided and outputs >= 1
+    done = after[0]
+    assert done.joint is joint and done.plan is b.plans[0] and done.kwargs["num_fwd_outputs"] == outputs
+    assert any(REASON_KEY in n.meta for n in joint.graph.nodes)
+    assert {n.name for n in done.backward.graph.nodes} >= set(done.plan.recomputed) and done.plan.recomputed

@@ -56,21 +56,18 @@ def test_check_names_the_first_mismatch():
 def test_a_recompute_that_differs_is_caught_in_the_backward(tmp_path):
     """Corrupt one recomputed op after planning: the values check names it and its module."""
     b = ckpt_fx.backend(policy=EVERY, debug="values", debug_dir=str(tmp_path), strict=True)
-    inner = b.partition
     corrupted = {}
 
-    def partition(joint, joint_inputs, **kwargs):
-        fw, bw = inner(joint, joint_inputs, **kwargs)
-        recomputed = set(b.plans[-1].recomputed)
-        for node in bw.graph.nodes:
+    def corrupt(done) -> None:
+        recomputed = set(done.plan.recomputed)
+        for node in done.backward.graph.nodes:
             if node.name in recomputed and node.target is torch.ops.aten.gelu.default:
                 node.kwargs = {"approximate": "tanh"}  # a different function than the forward ran
                 corrupted["name"] = node.name
                 break
-        bw.recompile()
-        return fw, bw
+        done.backward.recompile()
 
-    b.partition = partition
+    b.on_partitioned.append(corrupt)
     spec = Spec(depth=3, width=16, attention="none")
     with pytest.raises(RuntimeError, match=r"ckpt_fx debug: recomputed gelu_\d+ \(module layers\.\d\) differs"):
         train_step(make(spec), inputs(spec, 2, 6), b)
