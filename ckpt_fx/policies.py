@@ -309,7 +309,6 @@ def budget(limit: float | str, *, solver: str = "auto", node_limit: int = 10_000
 
     policy.candidates = candidates  # type: ignore[attr-defined]
     policy.chooser = chooser  # type: ignore[attr-defined]
-    policy.choices = []  # type: ignore[attr-defined]
     policy.uses_blocks = False  # type: ignore[attr-defined]
     extra = ("" if solver == "auto" else f", solver={solver!r}") + ("" if costs == "roofline" else f", costs={costs!r}")
     return _named(policy, f"budget({shown}{extra})")

@@ -1,6 +1,6 @@
 """FX graph passes for activation checkpointing. Imports torch, never ckpt_fx.
 
-The pipeline (passes.pipeline.PASSES) runs dropout -> batchnorm -> regions -> costs -> select ->
+The pipeline (passes.pipeline.run) runs dropout -> batchnorm -> regions -> costs -> select ->
 partition -> schedule ->
 memory over a joint forward/backward graph traced by AOTAutograd.
 """

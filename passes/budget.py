@@ -1,5 +1,7 @@
 """budget: turn a joint graph into a recompute Problem (passes.solve) and a solution back into
-recompute decisions. Used by the memory-budget policy through select_pass's `prepare` hook.
+recompute decisions; choose among the candidates by their predicted peaks. The pipeline asks the
+memory-budget policy for its candidates (candidate_policies) and a Chooser picks one
+(passes.pipeline._choose); the choice is recorded in the graph's Plan (Plan.budget).
 
 Values: the forward call nodes. A view cannot be saved on its own (saving it keeps its base
 alive): it is recomputed from its base, for free. A tuple-valued node is read through its getitems,
@@ -220,9 +222,11 @@ def decisions(graph: Graph, solution: Solution, *, fused: bool = False) -> dict[
 
 # Note [Peak-aware budget]
 # The saved bytes a solver bounds are not the peak: recomputation rebuilds values that then live
-# until their backward. So budget() plans a fixed set of candidates (MILP plans at fixed fractions
-# of the no-recompute saved bytes), predicts each one's step peak with the memory pass, and picks
-# the cheapest whose peak fits the limit. The candidates do not depend on the limit, so a lower
+# until their backward. So budget() plans a fixed set of candidates (the solver's plans at fixed
+# fractions of the no-recompute saved bytes, then the plan that saves least), predicts each one's
+# step peak (under the default partition from the joint graph, JointLiveness; under min-cut from
+# the partitioned graphs, with torch's own plan at the same budget as a ceiling: Note [Torch's
+# knob as a candidate]), and picks the cheapest whose peak fits the limit. The candidates do not depend on the limit, so a lower
 # limit picks either the same plan (it still fits and is still the cheapest) or one whose peak is
 # below the new limit, hence below the old pick's: the predicted peak never rises as the limit
 # falls.

@@ -7,13 +7,18 @@ import functools
 import operator
 import types
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from passes._compat import OpOverload, is_fusible, is_primal, is_tangent, size_at, size_hint, symbols_of
 from passes.costs import is_view, node_flops, tensor_bytes
 from passes.regions import PATH_KEY, REGION_KEY
+
+if TYPE_CHECKING:
+    from passes.budget import Choice
 
 # Note [What the predicted peak counts]
 # Bytes allocated during one training step above what was live before it: forward temporaries,
@@ -78,7 +83,9 @@ class Plan:
     hard_rules: dict[str, str] = field(default_factory=dict)
     """Nodes no policy may recompute, with why (random, mutation, ...)."""
     top_level_units: bool = False
-    fallback_reason: str | None = None
+    budget: Choice | None = None
+    """What a memory budget chose for this graph (the candidate's peak, the limit, the solver, the
+    budget it reaches when none fits); None for other policies."""
     held_outputs: tuple[tuple[str, int], ...] = ()
     """(module path, bytes) of the values the graph returns from inside checkpointed units (a
     KV cache): they stay alive from the forward to the backward whatever the policy."""
@@ -102,7 +109,7 @@ class Plan:
             raise ValueError(f"Plan.at: unknown size symbol(s) {unknown}; this plan's symbols: {valid}")
         if not sizes or self._at is None:
             return self
-        return self._at(sizes={k: int(v) for k, v in sizes.items()})
+        return dataclasses.replace(self._at(sizes={k: int(v) for k, v in sizes.items()}), budget=self.budget)
 
 
 def _walk(

@@ -22,7 +22,6 @@ from passes._compat import CheckpointPolicy, activation_memory_budget
 
 log = logging.getLogger("ckpt_fx")
 
-PASSES = ("dropout", "batchnorm", "regions", "costs", "select", "partition", "schedule", "memory")
 
 
 class PassError(RuntimeError):
@@ -129,12 +128,21 @@ def run(
 
 def _choose(step, plan_with, policy, policy_name, joint, *, num_fwd_outputs, static_lifetime_input_indices,
             partitioner, strict):
+    """_choices's plan, the budget's choice recorded in it (Plan.budget)."""
+    (fw, bw, plan), choice = _choices(step, plan_with, policy, policy_name, joint, num_fwd_outputs=num_fwd_outputs,
+                                      static_lifetime_input_indices=static_lifetime_input_indices,
+                                      partitioner=partitioner, strict=strict)
+    return fw, bw, dataclasses.replace(plan, budget=choice)
+
+
+def _choices(step, plan_with, policy, policy_name, joint, *, num_fwd_outputs, static_lifetime_input_indices,
+             partitioner, strict):
     """A policy with candidates (a memory budget) offers several plans; the policy picks one by
     their predicted peaks (Note [Peak-aware budget]). Under the default partition each peak is
     predicted from the joint graph (Note [Peak from the joint graph]) and only the chosen one is
     partitioned; under min-cut, which adds recomputes of its own, each candidate is partitioned and
     its peak read from the partitioned graphs, until one fits, and torch's own plan at the same
-    budget is a candidate too (Note [Torch's knob as a candidate]). Returns (fw, bw, plan)."""
+    budget is a candidate too (Note [Torch's knob as a candidate]). Returns ((fw, bw, plan), choice)."""
     from passes.budget import Choice, recompute_cost
 
     exact = partitioner == "min_cut"
@@ -167,16 +175,14 @@ def _choose(step, plan_with, policy, policy_name, joint, *, num_fwd_outputs, sta
     if knob is not None:
         knob_cost = recompute_cost(joint, knob[2].recomputed, fused=True)
         if choice is None and knob[2].peak_bytes <= chooser.limit:  # none of ours is as lean: torch's
-            policy.choices.append(Choice(
+            return knob, Choice(
                 limit_bytes=chooser.limit, baseline_peak=chooser.base.peak_bytes,
                 smallest_peak=min(chooser.peaks + [knob[2].peak_bytes]), peak=knob[2].peak_bytes, cost=knob_cost,
                 solver="torch-knob", candidates=len(chooser.peaks) + 1,
-            ))
-            return knob
+            )
         chooser.peaks.append(knob[2].peak_bytes)  # the lowest any plan reaches counts torch's too
     if choice is not None:
-        policy.choices.append(choice)
-        return planned if exact else plan_with(candidate, policy_name)
+        return (planned if exact else plan_with(candidate, policy_name)), choice
     # Nothing fits: the lowest plan, with the budget it reaches (an error under strict); or, when
     # no plan lowers this graph's peak at all (nothing in it to recompute), the graph as it is.
     knob_lowest = knob is not None and knob[2].peak_bytes < lowest_peak
@@ -188,13 +194,11 @@ def _choose(step, plan_with, policy, policy_name, joint, *, num_fwd_outputs, sta
             raise error
         warn_user(f"ckpt_fx: {error}; planned the lowest")
     if knob_lowest and error is not None:
-        policy.choices.append(dataclasses.replace(choice, cost=knob_cost, solver="torch-knob"))
-        return knob
-    policy.choices.append(choice)
+        return knob, dataclasses.replace(choice, cost=knob_cost, solver="torch-knob")
     found = lowest if error is not None else first
     if exact and found is lowest and lowest_planned is not None:
-        return lowest_planned
-    return plan_with(found, policy_name)
+        return lowest_planned, choice
+    return plan_with(found, policy_name), choice
 
 
 def _leave_open(info) -> CheckpointPolicy:

@@ -59,7 +59,9 @@ class Block:
     index: int
     """Position within its stack, from 0."""
     stack_len: int
-    """Number of members of its stack seen in this graph."""
+    """One more than the highest index among its stack's members in this graph: the stack's
+    length as far as this graph shows it (a graph that starts mid-stack, after a graph break,
+    counts the members before it too)."""
     number: int
     """Position among all units of the model, from 0: its index plus the lengths of the stacks
     before it in this graph."""

@@ -113,7 +113,7 @@ def check(problem: Problem, saved: set[int] | frozenset[int], recomputed: set[in
                 assert j in saved or j in recomputed, f"{name} recomputed but its input {problem.names[j]} is not at hand"
 
 
-def _solution(problem: Problem, saved: set[int], recomputed: set[int], solver: str, optimal: bool, start: float) -> Solution:
+def _solution(problem: Problem, saved: set[int], recomputed: set[int], *, solver: str, optimal: bool, start: float) -> Solution:
     return Solution(
         saved=frozenset(saved),
         recomputed=frozenset(recomputed),
@@ -215,7 +215,7 @@ def greedy(problem: Problem, budget: int) -> Solution:
         saved = set(least.saved)
     recomputed = closure(problem, saved)
     assert recomputed is not None
-    return _solution(problem, saved, recomputed, "greedy", False, start)
+    return _solution(problem, saved, recomputed, solver="greedy", optimal=False, start=start)
 
 
 def save_all(problem: Problem) -> set[int]:
@@ -268,7 +268,7 @@ def chain_dp(problem: Problem, budget: int) -> Solution:
     # Drop recomputations nobody needs (possible at the end of a chain).
     needed_rec = closure(problem, saved)
     assert needed_rec is not None and needed_rec <= recomputed
-    return _solution(problem, saved, needed_rec, "chain_dp", True, start)
+    return _solution(problem, saved, needed_rec, solver="chain_dp", optimal=True, start=start)
 
 
 def _pareto(entries: list) -> list:
@@ -314,7 +314,7 @@ def _milp(problem: Problem, *, budget: int | None, node_limit: int) -> Solution:
     start = time.perf_counter()
     n = len(problem)
     if n == 0:
-        return _solution(problem, set(), set(), "milp", True, start)
+        return _solution(problem, set(), set(), solver="milp", optimal=True, start=start)
     model = _milp_model(problem)
     nbytes, cost = model.nbytes, model.cost
     scale_b = max(nbytes.max(), 1.0)
@@ -351,7 +351,7 @@ def _milp(problem: Problem, *, budget: int | None, node_limit: int) -> Solution:
     saved = {i for i in range(n) if x[i]}
     recomputed = closure(problem, saved)
     assert recomputed is not None, "milp returned a plan that recomputes a value that cannot be"
-    return _solution(problem, saved, recomputed, "milp", result.status == 0, start)
+    return _solution(problem, saved, recomputed, solver="milp", optimal=result.status == 0, start=start)
 
 
 @dataclass(frozen=True)
@@ -471,7 +471,7 @@ def _shape(problem: Problem) -> tuple:
     return (problem.nbytes, problem.cost, problem.inputs, problem.needed, problem.saveable, problem.recomputable)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Front:
     """The Pareto front of a problem: points (saved bytes, least cost), bytes decreasing; `plan(k)`
     gives point k's (saved, recomputed). `exact` is False when a MILP was cut short or a part had
@@ -490,7 +490,7 @@ class Front:
             raise Infeasible(budget, self.nbytes[-1])
         k = min(fits, key=lambda k: (self.cost[k], self.nbytes[k]))
         saved, recomputed = self.plan(k)
-        return _solution(problem, set(saved), set(recomputed), "parts", self.exact, start)
+        return _solution(problem, set(saved), set(recomputed), solver="parts", optimal=self.exact, start=start)
 
 
 FRONT_MAX_POINTS = 256  # per part; a part with more keeps the first ones found (most bytes first)
@@ -557,7 +557,7 @@ def _part_front(problem: Problem, node_limit: int, solves: list[int]) -> Front:
         exact = False
     if not nbytes:
         raise Infeasible(0, smallest_budget(problem))
-    return Front(tuple(nbytes), tuple(cost), plans.__getitem__, exact)
+    return Front(nbytes=tuple(nbytes), cost=tuple(cost), plan=plans.__getitem__, exact=exact)
 
 
 def pareto_front(problem: Problem, *, node_limit: int = NODE_LIMIT, max_solves: float = math.inf) -> Front:

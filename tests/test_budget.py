@@ -33,7 +33,7 @@ def gpt_runs():
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         measured = ckpt_fx.peak_bytes(lambda: fn(ids, ids).backward())
-        runs[b] = dict(grads=grads, measured=measured, plan=backend.plans[0], choice=backend.options.policy.choices[0])
+        runs[b] = dict(grads=grads, measured=measured, plan=backend.plans[0], choice=backend.plans[0].budget)
     return eager, runs
 
 
@@ -75,7 +75,7 @@ def test_an_unreachable_budget_plans_the_lowest_with_one_warning_and_strict_rais
     backend = ckpt_fx.backend(policy="budget:0.01")
     with pytest.warns(UserWarning, match=r"budget 0.01 is infeasible.*lowest any plan reaches.*budget 0\.\d+ as a fraction.*planned the lowest"):
         _train_compiled_like_eager(model, ids, backend)
-    choice = backend.options.policy.choices[0]
+    choice = backend.plans[0].budget
     assert choice.peak > choice.limit_bytes and choice.reached is not None and 0.01 < choice.reached < 1
     assert backend.plans[0].peak_bytes == choice.peak == choice.smallest_peak < choice.baseline_peak
     assert backend.plans[0].recomputed
@@ -148,7 +148,7 @@ def test_a_graph_with_nothing_to_recompute_is_kept_not_refused():
     ids = torch.randint(0, 1000, (2, 64))
     backend = ckpt_fx.backend(policy="budget:0.6", strict=True)
     torch.compile(model, backend=backend)(ids).backward()
-    choices = backend.options.policy.choices
+    choices = [p.budget for p in backend.plans]
     assert len(backend.plans) == 2 and len(choices) == 2
     body, loss = choices
     assert body.peak <= body.limit_bytes < body.baseline_peak
@@ -173,7 +173,7 @@ def test_a_deep_stack_is_planned_through_its_alike_blocks():
     ids = torch.randint(0, 128, (2, 16))
     backend = ckpt_fx.backend(policy="budget:0.3", strict=True)
     _train_compiled_like_eager(model, ids, backend)
-    choice = backend.options.policy.choices[0]
+    choice = backend.plans[0].budget
     assert choice.solver == "parts" and choice.peak <= choice.limit_bytes
     assert backend.plans[0].peak_bytes == choice.peak
 
@@ -203,3 +203,20 @@ def test_warnings_point_at_the_users_line():
         torch.compile(model, backend=ckpt_fx.backend(policy="budget:0.01"))(ids, ids).backward()
     ours = [w for w in record if "ckpt_fx" in str(w.message)]
     assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]
+
+
+def test_the_choice_lands_in_the_plan_not_on_the_policy():
+    """One budget policy object shared by two backends: each graph's plan records its own choice;
+    the policy object keeps no state between compiles."""
+    from tests._models import Spec, inputs, make, train_step
+
+    shared = ckpt_fx.policies.budget(0.5)
+    plans = []
+    for depth in (2, 4):
+        spec = Spec(depth=depth, width=16)
+        backend = ckpt_fx.backend(policy=shared, compiler="eager", strict=True)
+        train_step(make(spec), inputs(spec, 2, 4), backend)
+        plans += backend.plans
+    assert [p.budget.limit_bytes < p.budget.baseline_peak for p in plans] == [True, True]
+    assert plans[0].budget.baseline_peak < plans[1].budget.baseline_peak  # each its own graph's figures
+    assert not hasattr(shared, "choices")
