@@ -114,14 +114,15 @@ def bench(args: argparse.Namespace) -> int:
     import torch
 
     from ckpt_fx import bench as b
+    from ckpt_fx import setups as st
 
-    setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else b.default_setups(args.device)
+    setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else st.default_setups(args.device)
     try:
         if args.sweep:
             if args.setups:
                 raise ValueError("give --setups or --sweep, not both")
-            setups = b.sweep_setups(args.sweep)
-        b.check_setups(setups)
+            setups = st.sweep_setups(args.sweep)
+        st.parse_setups(setups)  # a bad name is refused before the model is built
         if args.plot:
             b.require_matplotlib()
         workload = _workload(args).to(args.device)
@@ -148,25 +149,25 @@ def bench(args: argparse.Namespace) -> int:
 def solvers(args: argparse.Namespace) -> int:
     import torch
 
-    from ckpt_fx import bench as b
+    from ckpt_fx import solver_table as table
 
     fractions = args.budgets
     names = tuple(s.strip() for s in args.solvers.split(","))
     workload = _workload(args)
     _progress(f"tracing {workload.name}")
-    problem, nodes = b.joint_problem(workload)
+    problem, nodes = table.joint_problem(workload)
     _progress(f"{nodes} joint-graph nodes, {len(problem)} values; solving")
-    rows = b.solver_rows(problem, fractions, solvers=names, node_limit=args.node_limit)
+    rows = table.solver_rows(problem, fractions, solvers=names, node_limit=args.node_limit)
     print(f"\n{workload.name}: {nodes} joint-graph nodes, {len(problem)} values; torch {torch.__version__}\n")
-    print(b.solver_markdown(rows))
+    print(table.solver_markdown(rows))
     return 0
 
 
 def _workload(args: argparse.Namespace):
-    from ckpt_fx import bench as b
+    from ckpt_fx import workloads
 
-    return b.workload(args.model, layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch, seq=args.seq,
-                      overrides=b.parse_overrides(args.config))
+    return workloads.workload(args.model, layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch,
+                              seq=args.seq, overrides=workloads.parse_overrides(args.config))
 
 
 def explain(args: argparse.Namespace) -> int:

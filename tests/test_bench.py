@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from ckpt_fx import bench
+from ckpt_fx import bench, setups, solver_table, workloads
 
 
 @pytest.fixture(scope="module")
 def rows():
-    workload = bench.builtin_workload("gpt", layers=2, dim=64, heads=2, batch=2, seq=64)
+    workload = workloads.builtin_workload("gpt", layers=2, dim=64, heads=2, batch=2, seq=64)
     setups = ("eager", "aot_eager-budget:0.5", "ckpt:selective", "ckpt:budget:0.5", "ckpt:budget:0.01")
     return {r.setup: r for r in bench.run(workload, setups, steps=1)}
 
@@ -33,7 +33,7 @@ def test_an_unreachable_budget_is_measured_at_the_lowest_plan(rows):
 
 
 def test_a_failing_setup_is_a_row_with_its_error():
-    workload = bench.Workload(name="linear", model=torch.nn.Linear(4, 4), args=(torch.randn(2, 4),))
+    workload = workloads.Workload(name="linear", model=torch.nn.Linear(4, 4), args=(torch.randn(2, 4),))
     rows = bench.run(workload, ("eager", "checkpoint"), steps=1)
     r = rows[1]
     assert "needs a model with a ModuleList of blocks" in r.error and math.isnan(r.peak_mb)
@@ -64,17 +64,17 @@ def test_each_peer_is_marked_with_the_ckpt_row_that_dominates_it():
 
 
 def test_sweep_runs_both_budget_lines_beside_the_peers():
-    setups = bench.sweep_setups((0.7, 0.3))
-    assert setups[:7] == ("eager", "checkpoint", "ckpt:blocks:every=1,skip_first=0", "inductor", "ckpt:none",
-                          "inductor-sac", "ckpt:selective")
-    assert setups[7:] == ("inductor-budget:0.7", "ckpt:budget:0.7", "inductor-budget:0.3", "ckpt:budget:0.3")
+    swept = setups.sweep_setups((0.7, 0.3))
+    assert swept[:7] == ("eager", "checkpoint", "ckpt:blocks:every=1,skip_first=0", "inductor", "ckpt:none",
+                         "inductor-sac", "ckpt:selective")
+    assert swept[7:] == ("inductor-budget:0.7", "ckpt:budget:0.7", "inductor-budget:0.3", "ckpt:budget:0.3")
     with pytest.raises(ValueError, match=r"every budget must be a number in \(0, 1\], got 1.5"):
-        bench.sweep_setups((0.5, 1.5))
+        setups.sweep_setups((0.5, 1.5))
 
 
 def test_torchs_op_level_selective_checkpointing_peer_trains_like_eager():
     """The `sac` peer: torch.utils.checkpoint per block with a selective policy saving matmuls."""
-    workload = bench.builtin_workload("gpt", layers=2, dim=32, heads=2, batch=2, seq=16)
+    workload = workloads.builtin_workload("gpt", layers=2, dim=32, heads=2, batch=2, seq=16)
     rows = bench.run(workload, ("eager", "sac"), steps=1)
     assert rows[1].error is None and rows[1].grad_rel_diff < 1e-6 and rows[1].peak_mb < rows[0].peak_mb
 
@@ -82,7 +82,7 @@ def test_torchs_op_level_selective_checkpointing_peer_trains_like_eager():
 @pytest.mark.parametrize("setup, fragment", [("foo", "unknown setup 'foo'"), ("inductor-budget:x", "must be a number"),
                                             ("ckpt:blokcs", "unknown policy")])
 def test_bad_setups_are_refused_before_running(setup, fragment):
-    workload = bench.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=8)
+    workload = workloads.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=8)
     with pytest.raises(ValueError, match=fragment):
         bench.run(workload, ("eager", setup), steps=1)
 
@@ -90,7 +90,7 @@ def test_bad_setups_are_refused_before_running(setup, fragment):
 def test_workload_moves_to_a_device_or_names_the_valid_ones(capsys):
     from ckpt_fx.__main__ import main
 
-    w = bench.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=8).to("cpu")
+    w = workloads.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=8).to("cpu")
     assert w.args[0].device.type == "cpu" and next(w.model.parameters()).device.type == "cpu"
     with pytest.raises(ValueError, match="device 'meta': valid: cpu, cuda"):
         w.to("meta")
@@ -154,7 +154,7 @@ def test_models_by_config_class_and_by_factory(capsys):
     assert "MistralForCausalLM 2x32 (num_key_value_heads=1, rms_norm_eps=1e-05)" in out
     assert "| ckpt-eager:blocks:every=1,skip_first=0 |" in out
 
-    w = bench.workload("tests.test_bench:tiny_cnn")
+    w = workloads.workload("tests.test_bench:tiny_cnn")
     rows = bench.run(w, ("eager", "ckpt-eager:graph"), steps=1)
     assert all(r.error is None for r in rows) and rows[1].grad_rel_diff < 1e-5
 
@@ -167,10 +167,10 @@ def test_models_by_config_class_and_by_factory(capsys):
         ("resnet", None, "unknown model 'resnet'; valid: gpt2"),
     ]:
         with pytest.raises(ValueError, match=fragment):
-            bench.workload(spec, layers=1, dim=32, heads=2, batch=1, seq=8, overrides=overrides)
+            workloads.workload(spec, layers=1, dim=32, heads=2, batch=1, seq=8, overrides=overrides)
     with pytest.raises(ValueError, match="expected key=value, got 'layers'"):
-        bench.parse_overrides("layers")
-    assert bench.parse_overrides("a=1, b=0.5,c=silu,d=True") == {"a": 1, "b": 0.5, "c": "silu", "d": True}
+        workloads.parse_overrides("layers")
+    assert workloads.parse_overrides("a=1, b=0.5,c=silu,d=True") == {"a": 1, "b": 0.5, "c": "silu", "d": True}
 
 
 def test_solvers_table_compares_each_solver_to_the_proven_optimum(capsys):
@@ -178,10 +178,10 @@ def test_solvers_table_compares_each_solver_to_the_proven_optimum(capsys):
     exact solvers show no gap, greedy never beats the optimum."""
     from ckpt_fx.__main__ import main
 
-    w = bench.workload("llama", layers=4, dim=32, heads=2, batch=1, seq=16)
-    problem, nodes = bench.joint_problem(w)
+    w = workloads.workload("llama", layers=4, dim=32, heads=2, batch=1, seq=16)
+    problem, nodes = solver_table.joint_problem(w)
     assert nodes > len(problem) > 100
-    rows = bench.solver_rows(problem, (0.5, 0.2))
+    rows = solver_table.solver_rows(problem, (0.5, 0.2))
     assert {(r.solver, r.fraction) for r in rows} == {(s, f) for s in ("milp", "greedy", "parts", "auto") for f in (0.5, 0.2)}
     for r in rows:
         assert r.error is None and r.gap is not None, r
@@ -194,14 +194,14 @@ def test_solvers_table_compares_each_solver_to_the_proven_optimum(capsys):
     out = capsys.readouterr().out
     assert "joint-graph nodes" in out and "| 0.5 | greedy |" in out
     with pytest.raises(ValueError, match=r"unknown solver\(s\) \['fast'\]"):
-        bench.solver_rows(problem, (0.5,), solvers=("fast",))
+        solver_table.solver_rows(problem, (0.5,), solvers=("fast",))
 
 
 def test_gradients_against_other_random_numbers_are_not_reported_as_a_difference():
     """With dropout on, a setup whose dropout Inductor draws is not compared with eager's gradients
     (that would print a difference that looks like a bug): n/a with the reason; the eager-compiler
     ckpt setup is still compared."""
-    workload = bench.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=16, dropout=0.1)
+    workload = workloads.builtin_workload("gpt", layers=1, dim=32, heads=2, batch=1, seq=16, dropout=0.1)
     rows = bench.run(workload, ("eager", "ckpt-eager:blocks:every=1,skip_first=0", "ckpt-inductor:none"), steps=1)
     assert rows[1].grad_note is None and rows[1].grad_rel_diff < 1e-5
     assert rows[2].grad_note and "Inductor's own random numbers" in rows[2].grad_note and math.isnan(rows[2].grad_rel_diff)

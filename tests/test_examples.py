@@ -77,9 +77,9 @@ def test_help_answers_without_importing_torch():
     done = run("-c", code)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(default: 12)" in done.stdout and "ckpt-eager:<policy>" in done.stdout
-    from ckpt_fx import bench
+    from ckpt_fx import setups
 
-    assert ";".join(bench.CPU_SETUPS) in done.stdout
+    assert ";".join(setups.CPU_SETUPS) in done.stdout
 
 
 def test_explain_command():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckpt_fx
-from ckpt_fx.bench import hf_checkpointing_enable
+from ckpt_fx.setups import hf_checkpointing_enable
 
 transformers = pytest.importorskip("transformers")
 

@@ -48,9 +48,9 @@ def test_a_low_budget_draws_each_dropout_mask_once(fresh_inductor_cache):
     """Under Inductor the budget plans with torch's min-cut partitioner, whose own knob at a low
     budget recomputes dropout with new random numbers (pytorch/pytorch#190758); ours saves every
     mask: the bench's gradient column, under fallback_random, shows eager's gradients."""
-    from ckpt_fx import bench
+    from ckpt_fx import bench, workloads
 
-    workload = bench.builtin_workload("gpt", layers=2, dim=64, heads=2, batch=2, seq=32, dropout=0.1)
+    workload = workloads.builtin_workload("gpt", layers=2, dim=64, heads=2, batch=2, seq=32, dropout=0.1)
     eager, ours = bench.run(workload, ("eager", "ckpt-inductor:budget:0.1"), steps=1, fallback_random=True)
     assert ours.error is None and ours.grad_note is None and ours.peak_ratio < 0.9, ours
     assert ours.grad_rel_diff < 1e-5, ours
@@ -109,12 +109,12 @@ def inductor_rows(tmp_path_factory):
     kernel cache of its own: another process compiling the same kernels cannot interfere)."""
     import os
 
-    from ckpt_fx import bench
+    from ckpt_fx import bench, workloads
 
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
     try:
-        workload = bench.builtin_workload("gpt", layers=3, dim=128, heads=4, batch=4, seq=256)
+        workload = workloads.builtin_workload("gpt", layers=3, dim=128, heads=4, batch=4, seq=256)
         setups = ("inductor", "ckpt-inductor:none", "ckpt-inductor:blocks:every=1,skip_first=0",
                   "inductor-budget:0.5", "ckpt-inductor:budget:0.5", "ckpt-inductor:selective")
         rows = {r.setup: r for r in bench.run(workload, setups, steps=1)}

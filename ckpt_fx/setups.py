@@ -1,0 +1,175 @@
+"""The bench's setups: how one training step is run, by us or by the tools people use today, parsed
+once from their names (`Setup.parse`) and applied to a fresh copy of the model (`Setup.prepare`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt_fx import policies
+from ckpt_fx.backend import CkptBackend
+from ckpt_fx.backend import backend as ckpt_backend
+from passes._compat import activation_memory_budget, per_block_checkpointing
+
+CPU_SETUPS = (
+    "eager", "checkpoint", "aot_eager-budget:0.5", "ckpt-eager:blocks", "ckpt-eager:blocks:every=1,skip_first=0",
+    "ckpt-eager:selective", "ckpt-eager:budget:0.5",
+)
+"""The default on a CPU: the peers and our plans on eager kernels (the eager inner compiler and
+torch's knob under aot_eager), a few minutes in all; Inductor compiles a GPT-2 for a minute or two
+per setup on a CPU, so its rows are asked for (--setups, --sweep)."""
+CUDA_SETUPS = (
+    "eager", "checkpoint", "inductor", "inductor-budget:0.5", "inductor-sac", "ckpt:none", "ckpt:blocks",
+    "ckpt:blocks:every=1,skip_first=0", "ckpt:selective", "ckpt:budget:0.5", "ckpt:budget:0.3",
+)
+"""The default on a GPU: the ground users train on (Inductor alone, torch's knob, torch's op-level
+selective checkpointing) beside our plans under Inductor."""
+SETUP_FORMS = (
+    "eager, checkpoint, sac, inductor-sac, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, "
+    "ckpt:<policy> (the default inner compiler), ckpt-eager:<policy>, ckpt-inductor:<policy>"
+)
+PEERS = ("eager", "checkpoint", "sac", "inductor-sac", "aot_eager", "inductor")
+
+
+def default_setups(device: str) -> tuple[str, ...]:
+    """The setups a bench runs when none are named: CUDA_SETUPS on a GPU, CPU_SETUPS on a CPU."""
+    return CUDA_SETUPS if device == "cuda" else CPU_SETUPS
+
+
+def sweep_setups(budgets: tuple[float, ...]) -> tuple[str, ...]:
+    """Both budget lines at each budget, with the peers and our no-checkpoint and selective plans:
+    torch's knob (inductor-budget:x) beside ckpt:budget:x, Inductor alone beside ckpt:none, torch's
+    op-level selective checkpointing under Inductor beside ckpt:selective, HF per-block checkpointing
+    beside ours on every block."""
+    for x in budgets:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x <= 1:
+            raise ValueError(f"--sweep: every budget must be a number in (0, 1], got {x!r}")
+    lines = [s for x in budgets for s in (f"inductor-budget:{x:g}", f"ckpt:budget:{x:g}")]
+    return ("eager", "checkpoint", "ckpt:blocks:every=1,skip_first=0", "inductor", "ckpt:none", "inductor-sac",
+            "ckpt:selective", *lines)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One way to run a training step, read from its name."""
+
+    name: str
+    """As written, e.g. "ckpt-eager:budget:0.5"; the row's label."""
+    kind: str
+    """"eager", "checkpoint" (HF per-block), "sac" (torch's op-level selective checkpointing),
+    "compile" (torch.compile alone), "knob" (torch.compile under activation_memory_budget), or
+    "ckpt" (ours)."""
+    compiler: str | None = None
+    """torch.compile's backend ("aot_eager", "inductor") for compile and knob; our inner compiler
+    for ckpt ("eager", "inductor", or None for the backend's default); "inductor" for inductor-sac."""
+    budget: float | None = None
+    """torch's knob's activation_memory_budget."""
+    policy: policies.Policy | None = None
+    """Our policy, parsed."""
+
+    @staticmethod
+    def parse(name: str) -> Setup:
+        """The setup a name stands for; ValueError naming the valid forms."""
+        if name in ("eager", "checkpoint", "sac"):
+            return Setup(name=name, kind=name)
+        if name == "inductor-sac":
+            return Setup(name=name, kind="sac", compiler="inductor")
+        if name in ("aot_eager", "inductor"):
+            return Setup(name=name, kind="compile", compiler=name)
+        compiler, _, knob = name.partition("-budget:")
+        if knob and compiler in ("aot_eager", "inductor"):
+            try:
+                value = float(knob)
+            except ValueError:
+                value = -1.0
+            if not 0 < value <= 1:
+                raise ValueError(f"setup {name!r}: the budget must be a number in (0, 1]")
+            return Setup(name=name, kind="knob", compiler=compiler, budget=value)
+        head, sep, spec = name.partition(":")
+        if sep and head in ("ckpt", "ckpt-eager", "ckpt-inductor"):
+            return Setup(name=name, kind="ckpt", compiler=head.partition("-")[2] or None, policy=policies.parse(spec))
+        raise ValueError(f"unknown setup {name!r}; valid: {SETUP_FORMS}")
+
+    @property
+    def ours(self) -> bool:
+        return self.kind == "ckpt"
+
+    @property
+    def inductor_draws(self) -> bool:
+        """Whether its random ops (dropout) run as Inductor's own kernels."""
+        if self.kind == "ckpt" and self.compiler is None:
+            return ckpt_backend(policy="none").options.compiler == "inductor"
+        return self.compiler == "inductor"
+
+    def prepare(self, model: torch.nn.Module) -> tuple[Callable[..., Any], CkptBackend | None, Callable[[], Any]]:
+        """(the callable to run a step through, our backend or None, a context to run it in),
+        with `model` changed in place where the setup does so (HF per-block checkpointing)."""
+        none = contextlib.nullcontext
+        if self.kind == "eager":
+            return model, None, none
+        if self.kind == "checkpoint":
+            return checkpoint_every_block(model), None, none
+        if self.kind == "sac":
+            wrapped = checkpoint_every_block(model, selective=True)
+            return (wrapped if self.compiler is None else torch.compile(wrapped, backend=self.compiler)), None, none
+        if self.kind == "compile":
+            return torch.compile(model, backend=self.compiler), None, none
+        if self.kind == "knob":  # torch's own knob: the min-cut partitioner under an activation memory budget
+            return torch.compile(model, backend=self.compiler), None, functools.partial(activation_memory_budget, self.budget)
+        b = ckpt_backend(policy=self.policy, compiler=self.compiler)
+        return torch.compile(model, backend=b), b, none
+
+
+def parse_setups(names: tuple[str, ...]) -> tuple[Setup, ...]:
+    """Every name parsed (a bad one refused, naming the valid forms, before any model is built)."""
+    return tuple(Setup.parse(name) for name in names)
+
+
+def _block_stack(model: torch.nn.Module) -> torch.nn.ModuleList:
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    if not lists:
+        raise ValueError("setup 'checkpoint' needs a model with a ModuleList of blocks")
+    return max(lists, key=len)
+
+
+def checkpoint_every_block(model: torch.nn.Module, *, selective: bool = False) -> torch.nn.Module:
+    """What HF's activation checkpointing does: torch.utils.checkpoint around every block (HF's own
+    switch where the model has one, else torch's apply_activation_checkpointing on the largest
+    ModuleList's members). `selective`: torch's op-level selective checkpointing inside each block
+    instead (what torchtitan's op-level mode does): matmul and attention outputs saved, the rest
+    recomputed."""
+    options: dict[str, Any] = {}
+    if selective:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    if getattr(model, "supports_gradient_checkpointing", False):
+        return hf_checkpointing_enable(model, use_reentrant=False, **options)
+    blocks = {id(b) for b in _block_stack(model)}
+    return per_block_checkpointing(model, lambda m: id(m) in blocks, **options)
+
+
+def hf_checkpointing_enable(model: torch.nn.Module, **checkpoint_kwargs: Any) -> torch.nn.Module:
+    """A transformers model's own per-block checkpointing, switched on under its current name
+    (activation_checkpointing_enable; gradient_checkpointing_enable before transformers 5.x
+    renamed it), `checkpoint_kwargs` passed to torch.utils.checkpoint."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    return model
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """torch's selective-checkpoint policy for the sac setups: save matmul and attention outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    packet = str(getattr(op, "_overloadpacket", op))
+    saved = {name for cls in ("matmul", "attention") for name in policies.OP_CLASSES[cls]}
+    return CheckpointPolicy.MUST_SAVE if packet in saved else CheckpointPolicy.PREFER_RECOMPUTE
