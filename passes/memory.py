@@ -1,4 +1,5 @@
-"""memory: a liveness walk over forward then backward; predicts saved bytes and peak; the Plan."""
+"""memory: walk the partitioned forward then backward (passes.liveness); predict saved bytes and
+peak; make the Plan (passes.plan)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,15 @@ import copy
 import functools
 import operator
 import types
-from collections.abc import Callable
-import dataclasses
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from passes._compat import OpOverload, is_fusible, is_primal, is_tangent, size_at, size_hint, symbols_of
 from passes.costs import is_view, node_flops, tensor_bytes
+from passes.liveness import just_in_time, walk
+from passes.plan import BlockPlan, Plan, SavedTensor
 from passes.regions import PATH_KEY, REGION_KEY
-
-if TYPE_CHECKING:
-    from passes.budget import Choice
 
 # Note [What the predicted peak counts]
 # Bytes allocated during one training step above what was live before it: forward temporaries,
@@ -30,86 +27,6 @@ if TYPE_CHECKING:
 # holds the logits); a caller that drops them early peaks a little lower than predicted. Only
 # parameter gradients outlive the step: an activation's gradient returned by a later graph is
 # the incoming gradient of the earlier one. The measured peak (ckpt_fx.measure) counts the same.
-
-
-@dataclass(frozen=True, kw_only=True)
-class SavedTensor:
-    """One tensor the forward keeps for the backward."""
-
-    name: str
-    module_path: str
-    block: str | None
-    op: str
-    """The op that made it (op_name): "convolution", "native_layer_norm[0]", "detach(relu)"."""
-    shape: tuple[int, ...]
-    dtype: torch.dtype | None
-    nbytes: int
-    is_input: bool
-    """A parameter, buffer or input (or a view of one): saving it costs no extra memory."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockPlan:
-    """What happens to one unit."""
-
-    path: str
-    saved_bytes: int
-    recomputed_ops: int
-    recompute_flops: int
-    recomputed_bytes: int = 0
-    """Bytes of the values it recomputes: what checkpointing it keeps out of the saved set."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    """What one compiled graph saves and recomputes, and the memory it is predicted to need."""
-
-    policy: str
-    saved: tuple[SavedTensor, ...]
-    recomputed: tuple[str, ...]
-    """Names of the forward nodes the backward recomputes, in backward order."""
-    blocks: tuple[BlockPlan, ...]
-    saved_bytes: int
-    """Bytes of saved activations (inputs and parameters excluded)."""
-    recompute_flops: int
-    forward_peak_bytes: int
-    backward_peak_bytes: int
-    forward_end_bytes: int = 0
-    """Bytes the forward leaves allocated: saved activations and outputs."""
-    gradient_bytes: int = 0
-    """Bytes of the parameter gradients the backward returns (they outlive the step)."""
-    step_flops: int = 0
-    """FLOPs of the graph's forward and backward, recomputation excluded."""
-    hard_rules: dict[str, str] = field(default_factory=dict)
-    """Nodes no policy may recompute, with why (random, mutation, ...)."""
-    top_level_units: bool = False
-    budget: Choice | None = None
-    """What a memory budget chose for this graph (the candidate's peak, the limit, the solver, the
-    budget it reaches when none fits); None for other policies."""
-    held_outputs: tuple[tuple[str, int], ...] = ()
-    """(module path, bytes) of the values the graph returns from inside checkpointed units (a
-    KV cache): they stay alive from the forward to the backward whatever the policy."""
-    symbols: dict[str, int] = field(default_factory=dict)
-    """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
-    were made with. `at(...)` gives the plan's figures at other sizes."""
-    _at: Callable[..., Plan] | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def peak_bytes(self) -> int:
-        """Predicted peak of a training step (Note [What the predicted peak counts])."""
-        return max(self.forward_peak_bytes, self.backward_peak_bytes)
-
-    def at(self, **sizes: int) -> Plan:
-        """The same plan's figures (saved bytes, peaks) with symbolic sizes set, e.g.
-        `plan.at(s1=2048)`; symbols not given keep their hints. One compiled graph serves every
-        length under dynamic shapes; this predicts what it needs at each."""
-        unknown = sorted(set(sizes) - set(self.symbols))
-        if unknown:
-            valid = ", ".join(f"{k} (now {v})" for k, v in sorted(self.symbols.items())) or "none: the sizes are static"
-            raise ValueError(f"Plan.at: unknown size symbol(s) {unknown}; this plan's symbols: {valid}")
-        if not sizes or self._at is None:
-            return self
-        return dataclasses.replace(self._at(sizes={k: int(v) for k, v in sizes.items()}), budget=self.budget)
 
 
 def _walk(
@@ -132,25 +49,16 @@ def _walk(
         if node not in key_of:
             base = node.args[0] if is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node) else None
             key_of[node] = key_of.get(base, base) if base is not None else node
-    last_use: dict[object, int] = {}
-    for i, node in enumerate(nodes):
-        for arg in node.all_input_nodes:
-            last_use[key_of[arg]] = i
-        last_use[key_of[node]] = max(last_use.get(key_of[node], i), i)
-    total = sum(live.values())
-    peak = total
-    for i, node in enumerate(nodes):
-        if node.op == "call_function" and not is_view(node) and key_of[node] is node:
-            nbytes = 0 if fused and fused_away(node) else tensor_bytes(node.meta.get("val"), sizes)
-            live[node] = nbytes
-            total += nbytes
-            peak = max(peak, total)
-        if node.op == "output":
-            break
-        for key in {key_of[a] for a in node.all_input_nodes} | {key_of[node]}:
-            if last_use.get(key) == i and key in live and key not in pinned:
-                total -= live.pop(key)
-    return peak
+    end = next((i for i, n in enumerate(nodes) if n.op == "output"), len(nodes))
+    held = {key_of[a] for a in nodes[end].all_input_nodes} if end < len(nodes) else set()  # returned: kept
+
+    def allocates(node: torch.fx.Node) -> int | None:
+        if node.op != "call_function" or is_view(node) or key_of[node] is not node:
+            return None
+        return 0 if fused and fused_away(node) else tensor_bytes(node.meta.get("val"), sizes)
+
+    return walk(nodes[:end], key=key_of.__getitem__, reads=lambda n: {key_of[a] for a in n.all_input_nodes} | {key_of[n]},
+                allocates=allocates, live=live, pinned=pinned, held=held)
 
 
 def fused_away(node: torch.fx.Node) -> bool:
@@ -366,18 +274,6 @@ def op_name(node: torch.fx.Node) -> str:
     return name
 
 
-def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:
-    """Predicted peak of a training step through several graphs (graph breaks), run forward in
-    order and backward in reverse: while graph i runs, every earlier graph's forward leftovers
-    and every later graph's gradients are live as well."""
-    peak = 0
-    for i, plan in enumerate(plans):
-        before = sum(p.forward_end_bytes for p in plans[:i])
-        after = sum(p.gradient_bytes for p in plans[i + 1 :])
-        peak = max(peak, before + plan.forward_peak_bytes, before + after + plan.backward_peak_bytes)
-    return peak
-
-
 # Note [Peak from the joint graph]
 # Planning a candidate in full (partition, schedule, memory) builds two graphs: ~3 s for a 32-block
 # model. To compare candidates, JointLiveness walks the joint graph once per candidate instead, as
@@ -489,49 +385,19 @@ class JointLiveness:
         saved_keys = {self.key[i] for i in saved}
         bw_live = {k: v for k, v in fw_live.items() if k in outputs or k in saved_keys}
         bw_live.update(self.entry)
-        order: list[int] = []
-        made: set[int] = set()
-        for b in self.roots:
-            todo, batch = [b], []
-            while todo:
-                i = todo.pop()
-                if i in made or (i in forward and i not in remade):
-                    continue
-                made.add(i)
-                batch.append(i)
-                todo.extend(inputs[i])
-            for i in sorted(batch):  # a multi-output node's getitems follow it (Note [Just-in-time recompute])
-                order.append(i)
-                for g in self.getitems[i]:
-                    if g not in made and (g in remade or (g not in forward and g in self.live)):
-                        made.add(g)
-                        order.append(g)
+        order = just_in_time(
+            self.roots, inputs=inputs.__getitem__, rank=int, ready=lambda i: i in forward and i not in remade,
+            followers=lambda i: [g for g in self.getitems[i] if g in remade or (g not in forward and g in self.live)],
+        )
         bw_peak = self._walk(order, bw_live, held=set(), pinned=outputs, final=self.grads)
         grads = {self.key[g]: bw_live.get(self.key[g], 0) for g in self.kept_grads}
         return Estimate(peak_bytes=max(fw_peak, bw_peak), gradient_bytes=sum(grads.values()))
 
     def _walk(self, order: list[int], live: dict[int, int], *, held: set[int], pinned: set[int],
               final: list[int] = ()) -> int:
-        """Allocate each node's bytes, free a storage after its last use (keys in `held` are read
-        by the graph's output, keys in `pinned` are never freed); updates `live`, returns the peak."""
-        key, touched = self.key, self.touched
-        last: dict[int, int] = {}
-        for t, i in enumerate(order):
-            for k in touched[i]:
-                last[k] = t
-        end = len(order)
-        for k in held:
-            last[k] = end
-        for g in final:
-            last[key[g]] = end
-        total = sum(live.values())
-        peak = total
-        for t, i in enumerate(order):
-            if self.call[i] and key[i] == i:
-                live[i] = self.nbytes[i]
-                total += self.nbytes[i]
-                peak = max(peak, total)
-            for k in touched[i]:
-                if last[k] == t and k in live and k not in pinned:
-                    total -= live.pop(k)
-        return peak
+        """liveness.walk over joint-graph indices: keys in `held` are read by the graph's output,
+        keys in `pinned` are never freed, `final` (gradients) outlive the walk."""
+        key, call, nbytes = self.key, self.call, self.nbytes
+        return walk(order, key=key.__getitem__, reads=self.touched.__getitem__,
+                    allocates=lambda i: nbytes[i] if call[i] and key[i] == i else None, live=live, pinned=pinned,
+                    held={*held, *(key[g] for g in final)})

@@ -12,7 +12,8 @@ import torch
 from passes.batchnorm import batchnorm_pass, fold_twins
 from passes.costs import costs_pass
 from passes.dropout import dropout_pass
-from passes.memory import Estimate, JointLiveness, Plan, memory_pass
+from passes.memory import Estimate, JointLiveness, memory_pass
+from passes.plan import Plan
 from passes.partition import partition_pass
 from passes.regions import forward_nodes, regions_pass
 from passes.schedule import schedule_pass

@@ -6,6 +6,8 @@ import operator
 
 import torch
 
+from passes.liveness import just_in_time
+
 # Note [Just-in-time recompute]
 # A partitioned backward first lists the recomputed forward nodes, then the gradient nodes. Run in
 # that order, every checkpointed block is rebuilt before the first gradient is computed and the
@@ -26,37 +28,20 @@ def schedule_pass(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> torch.fx
     relative order; node names and meta are kept; deterministic. The input module is not mutated.
     """
     nodes = list(bw.graph.nodes)
-    order = {node: i for i, node in enumerate(nodes)}
+    index = {node: i for i, node in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    order = just_in_time(
+        (n for n in nodes if n.op != "placeholder" and n.name not in recomputed),
+        inputs=lambda n: n.all_input_nodes,
+        rank=index.__getitem__,
+        ready=lambda n: n.op == "placeholder",
+        followers=lambda n: [u for u in n.users if u.target is operator.getitem],
+    )
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-
-    def copy(node: torch.fx.Node) -> None:
+    for node in [*placeholders, *order]:
         env[node] = graph.node_copy(node, env.__getitem__)
-
-    def emit(node: torch.fx.Node) -> None:
-        needed, todo = [], [node]
-        while todo:
-            current = todo.pop()
-            if current in env or current in needed:
-                continue
-            needed.append(current)
-            todo.extend(current.all_input_nodes)
-        for current in sorted(needed, key=order.__getitem__):
-            if current in env:  # a getitem already placed after its node
-                continue
-            copy(current)
-            for user in current.users:
-                if user.target is operator.getitem and user not in env:
-                    copy(user)
-
-    for node in nodes:
-        if node.op == "placeholder":
-            copy(node)
-    for node in nodes:
-        if node.op != "placeholder" and node.name not in recomputed:
-            emit(node)
-    out = torch.fx.GraphModule(bw, graph)
-    return out
+    return torch.fx.GraphModule(bw, graph)
 
 
 def first_use_distance(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> int:

@@ -1,0 +1,106 @@
+"""plan: what the passes decided for one compiled graph and the memory it is predicted to need;
+the record explain, fit, bench and the backend's warnings read."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from passes.budget import Choice
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedTensor:
+    """One tensor the forward keeps for the backward."""
+
+    name: str
+    module_path: str
+    block: str | None
+    op: str
+    """The op that made it (op_name): "convolution", "native_layer_norm[0]", "detach(relu)"."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    nbytes: int
+    is_input: bool
+    """A parameter, buffer or input (or a view of one): saving it costs no extra memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockPlan:
+    """What happens to one unit."""
+
+    path: str
+    saved_bytes: int
+    recomputed_ops: int
+    recompute_flops: int
+    recomputed_bytes: int = 0
+    """Bytes of the values it recomputes: what checkpointing it keeps out of the saved set."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What one compiled graph saves and recomputes, and the memory it is predicted to need."""
+
+    policy: str
+    saved: tuple[SavedTensor, ...]
+    recomputed: tuple[str, ...]
+    """Names of the forward nodes the backward recomputes, in backward order."""
+    blocks: tuple[BlockPlan, ...]
+    saved_bytes: int
+    """Bytes of saved activations (inputs and parameters excluded)."""
+    recompute_flops: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    forward_end_bytes: int = 0
+    """Bytes the forward leaves allocated: saved activations and outputs."""
+    gradient_bytes: int = 0
+    """Bytes of the parameter gradients the backward returns (they outlive the step)."""
+    step_flops: int = 0
+    """FLOPs of the graph's forward and backward, recomputation excluded."""
+    hard_rules: dict[str, str] = field(default_factory=dict)
+    """Nodes no policy may recompute, with why (random, mutation, ...)."""
+    top_level_units: bool = False
+    budget: Choice | None = None
+    """What a memory budget chose for this graph (the candidate's peak, the limit, the solver, the
+    budget it reaches when none fits); None for other policies."""
+    held_outputs: tuple[tuple[str, int], ...] = ()
+    """(module path, bytes) of the values the graph returns from inside checkpointed units (a
+    KV cache): they stay alive from the forward to the backward whatever the policy."""
+    symbols: dict[str, int] = field(default_factory=dict)
+    """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
+    were made with. `at(...)` gives the plan's figures at other sizes."""
+    _at: Callable[..., Plan] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Predicted peak of a training step (Note [What the predicted peak counts])."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    def at(self, **sizes: int) -> Plan:
+        """The same plan's figures (saved bytes, peaks) with symbolic sizes set, e.g.
+        `plan.at(s1=2048)`; symbols not given keep their hints. One compiled graph serves every
+        length under dynamic shapes; this predicts what it needs at each."""
+        unknown = sorted(set(sizes) - set(self.symbols))
+        if unknown:
+            valid = ", ".join(f"{k} (now {v})" for k, v in sorted(self.symbols.items())) or "none: the sizes are static"
+            raise ValueError(f"Plan.at: unknown size symbol(s) {unknown}; this plan's symbols: {valid}")
+        if not sizes or self._at is None:
+            return self
+        return dataclasses.replace(self._at(sizes={k: int(v) for k, v in sizes.items()}), budget=self.budget)
+
+
+def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:
+    """Predicted peak of a training step through several graphs (graph breaks), run forward in
+    order and backward in reverse: while graph i runs, every earlier graph's forward leftovers
+    and every later graph's gradients are live as well."""
+    peak = 0
+    for i, plan in enumerate(plans):
+        before = sum(p.forward_end_bytes for p in plans[:i])
+        after = sum(p.gradient_bytes for p in plans[i + 1 :])
+        peak = max(peak, before + plan.forward_peak_bytes, before + after + plan.backward_peak_bytes)
+    return peak
