@@ -27,7 +27,8 @@ from passes._compat import (
 from passes.debug import debug_checks_pass
 from passes.warn import warn_user
 from passes.regions import PATH_KEY
-from passes.select import REASON_KEY
+from passes.budget import BudgetSpec
+from passes.select import REASON_KEY, NamedPolicy
 
 log = logging.getLogger("ckpt_fx")
 
@@ -232,13 +233,14 @@ class CkptBackend:
         if not plan.blocks:
             return  # a graph without blocks (a loss after a graph break) proves nothing
         paths = sorted({n.meta[PATH_KEY] for n in joint.graph.nodes if n.meta.get(PATH_KEY)})
-        for pattern in getattr(self.options.policy, "patterns", ()):
+        policy = self.options.policy
+        for pattern in policy.patterns if isinstance(policy, NamedPolicy) else ():
             if not any(fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p, pattern + ".*") for p in paths):
                 units = [b.path for b in plan.blocks]
                 shown = ", ".join(units[:6] + (["..."] if len(units) > 6 else []))
                 self._warn_once(f"ckpt_fx: only_in pattern {pattern!r} matches no module of this graph; "
                                 f"its units are {shown} (module paths like {paths[0]!r} ... {paths[-1]!r})")
-        if not plan.recomputed and name != policies.policy_name(policies.none()):
+        if not plan.recomputed and pipeline.uses_blocks(policy):
             self._warn_once(f"ckpt_fx: policy {name} recomputes nothing in a graph with blocks "
                             f"{', '.join(b.path for b in plan.blocks[:6])}{' ...' if len(plan.blocks) > 6 else ''}")
 
@@ -251,9 +253,10 @@ class CkptBackend:
         """What Inductor's FX graph cache keys our partition on: the policy, the options that change
         the plan, and the source of the passes; None (no caching) for a policy without a spec string
         (a custom callable's name does not identify what it decides)."""
-        spec = getattr(self.options.policy, "spec", None)
-        if spec is None:
+        policy = self.options.policy
+        if not isinstance(policy, (NamedPolicy, BudgetSpec)):
             return None
+        spec = policy.spec
         root = pathlib.Path(__file__).resolve().parents[1]
         files = sorted((root / "passes").glob("*.py")) + [root / "ckpt_fx" / "policies.py"]
         return f"ckpt_fx:{spec}:strict={self.options.strict}:{cache_hash(tuple(map(str, files)))}"

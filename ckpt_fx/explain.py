@@ -16,6 +16,7 @@ from ckpt_fx.measure import peak_bytes
 from passes._compat import no_fx_graph_cache, pytree
 from passes import Plan, step_peak_bytes
 from passes.memory import copy_graph_module
+from passes.pipeline import uses_blocks
 from passes.regions import REGION_KEY, forward_nodes
 from passes.select import RECOMPUTE, REASON_KEY
 
@@ -175,7 +176,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
         measured_peak_bytes=measured,
         eager_peak_bytes=eager,
         no_checkpoint_peak_bytes=step_peak_bytes(baseline.plans) if baseline.plans else None,
-        warnings=tuple(_pitfalls(name, plans, joints)),
+        warnings=tuple(_pitfalls(options.policy, name, plans, joints)),
         units=tuple(_units(joints)),
     )
 
@@ -216,7 +217,7 @@ def _units(joints: list[torch.fx.GraphModule]) -> list[str]:
     return out
 
 
-def _pitfalls(name: str, plans: tuple[Plan, ...], joints: list[torch.fx.GraphModule]) -> list[str]:
+def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...], joints: list[torch.fx.GraphModule]) -> list[str]:
     """The pitfalls of checkpointing that a plan shows (see the README's FAQ)."""
     out = []
     if not plans:
@@ -224,7 +225,7 @@ def _pitfalls(name: str, plans: tuple[Plan, ...], joints: list[torch.fx.GraphMod
         return out
     if any(p.top_level_units for p in plans):
         out.append("no stack of repeated blocks was found: top-level children served as units")
-    if name != "none()" and not any(p.recomputed for p in plans):
+    if uses_blocks(policy) and not any(p.recomputed for p in plans):
         out.append(f"policy {name} recomputes nothing: no node matched it "
                    f"(blocks found: {', '.join(b.path for p in plans for b in p.blocks) or 'none'})")
     for joint in joints:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from passes import NodeInfo, Policy
 from passes._compat import CheckpointPolicy
+from passes.budget import BudgetSpec
+from passes.select import NamedPolicy
 from passes.regions import Block
 
 __all__ = ["CheckpointPolicy", "NodeInfo", "Policy", "blocks", "budget", "graph", "none", "selective", "only_in", "parse", "segments", "sqrt"]
@@ -56,11 +58,8 @@ def _int(name: str, value: object, *, minimum: int, factory: str) -> int:
     return value
 
 
-def _named(policy: Policy, spec: str) -> Policy:
-    policy.__name__ = spec
-    policy.__qualname__ = spec
-    policy.spec = spec  # type: ignore[attr-defined]
-    return policy
+def _named(policy: Policy, spec: str, *, uses_blocks: bool = True, patterns: tuple[str, ...] = ()) -> NamedPolicy:
+    return NamedPolicy(decide=policy, spec=spec, uses_blocks=uses_blocks, patterns=patterns)
 
 
 def _units(unit_of: Callable[[Block], Hashable | None]) -> Callable[[NodeInfo], CheckpointPolicy]:
@@ -139,8 +138,7 @@ def none() -> Policy:
     def policy(info: NodeInfo) -> CheckpointPolicy:
         return SAVE
 
-    policy.uses_blocks = False  # type: ignore[attr-defined]
-    return _named(policy, "none()")
+    return _named(policy, "none()", uses_blocks=False)
 
 
 def graph() -> Policy:
@@ -156,8 +154,7 @@ def graph() -> Policy:
     def policy(info: NodeInfo) -> CheckpointPolicy:
         return SAVE if info.region == "embedding" else RECOMPUTE
 
-    policy.uses_blocks = False  # type: ignore[attr-defined]
-    return _named(policy, "graph()")
+    return _named(policy, "graph()", uses_blocks=False)
 
 
 # Op classes selective() saves by name: aten overload packets, matched on the producing op.
@@ -262,15 +259,10 @@ def _budget_value(limit: float | str) -> tuple[float | None, int | None]:
     )
 
 
-# Saved-bytes fractions of the no-recompute plan at which budget() offers MILP plans; fixed, so
-# that every budget chooses from the same candidates (Note [Peak-aware budget]).
-BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
-
-
 COSTS = ("roofline", "measured")
 
 
-def budget(limit: float | str, *, solver: str = "auto", node_limit: int = 10_000, costs: str = "roofline") -> Policy:
+def budget(limit: float | str, *, solver: str = "auto", node_limit: int = 10_000, costs: str = "roofline") -> BudgetSpec:
     """The cheapest plan whose predicted peak fits `limit`.
 
     `limit` is a fraction of the activation memory of the step without checkpointing (0.3 keeps
@@ -285,7 +277,6 @@ def budget(limit: float | str, *, solver: str = "auto", node_limit: int = 10_000
     `costs` is how a recompute is priced: "roofline" (FLOPs and bytes on the device's roofline) or
     "measured" (each distinct op timed once on random tensors of its shapes while planning).
     """
-    from passes.budget import Chooser, candidate_policies
     from passes.solve import SOLVERS
 
     fraction, nbytes = _budget_value(limit)
@@ -296,22 +287,9 @@ def budget(limit: float | str, *, solver: str = "auto", node_limit: int = 10_000
     if costs not in COSTS:
         raise ValueError(f"budget: unknown costs {costs!r}; valid: {', '.join(COSTS)}")
     shown = f"{fraction:g}" if fraction is not None else f"{limit.strip()!r}"  # type: ignore[union-attr]
-
-    def policy(info: NodeInfo) -> CheckpointPolicy:
-        raise RuntimeError("budget() decides over the whole graph: the pipeline asks it for candidates")
-
-    def candidates(gm, hard_rules: dict[str, str], *, fused: bool = False) -> Iterator[Policy]:
-        return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=solver, node_limit=node_limit,
-                                  costs=costs, fused=fused)
-
-    def chooser() -> Chooser:
-        return Chooser(fraction=fraction, nbytes=nbytes, shown=shown)
-
-    policy.candidates = candidates  # type: ignore[attr-defined]
-    policy.chooser = chooser  # type: ignore[attr-defined]
-    policy.uses_blocks = False  # type: ignore[attr-defined]
     extra = ("" if solver == "auto" else f", solver={solver!r}") + ("" if costs == "roofline" else f", costs={costs!r}")
-    return _named(policy, f"budget({shown}{extra})")
+    return BudgetSpec(spec=f"budget({shown}{extra})", fraction=fraction, nbytes=nbytes, shown=shown, solver=solver,
+                      node_limit=node_limit, costs=costs)
 
 
 def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
@@ -323,7 +301,7 @@ def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
     if not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise ValueError(f"only_in: patterns must be non-empty strings, got {patterns!r}")
     inner = parse(policy)
-    if hasattr(inner, "candidates"):
+    if isinstance(inner, BudgetSpec):
         raise ValueError(
             f"only_in cannot wrap {policy_name(inner)}: a memory budget plans the whole graph at once "
             "(it would be called per node and fail); use the budget alone, or only_in with a per-node policy "
@@ -336,14 +314,16 @@ def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
     def combined(info: NodeInfo) -> CheckpointPolicy:
         return inner(info) if matches(info.module_path) else SAVE
 
-    combined.patterns = patterns  # type: ignore[attr-defined]  # checked against the graph's paths
-    combined.uses_blocks = getattr(inner, "uses_blocks", True)  # type: ignore[attr-defined]  # graph(): no block warning
-    return _named(combined, f"only_in({list(patterns)!r}, {policy_name(inner)})")
+    uses_blocks = inner.uses_blocks if isinstance(inner, NamedPolicy) else True  # graph(): no block warning
+    return _named(combined, f"only_in({list(patterns)!r}, {policy_name(inner)})", uses_blocks=uses_blocks,
+                  patterns=patterns)
 
 
 def policy_name(policy: Policy) -> str:
     """A stable description of a policy (used in logs, plans and cache keys)."""
-    return getattr(policy, "spec", None) or getattr(policy, "__qualname__", None) or repr(policy)
+    if isinstance(policy, (NamedPolicy, BudgetSpec)):
+        return policy.spec
+    return getattr(policy, "__qualname__", None) or repr(policy)
 
 
 def _kwargs(factory: str, text: str, positional: str) -> dict[str, int]:

@@ -247,11 +247,60 @@ class Choice:
     """When no plan fit: the budget (as a fraction) the chosen, lowest plan reaches."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class BudgetSpec:
+    """A memory budget (ckpt_fx.policies.budget): not a per-node policy but a problem the pipeline
+    solves over the whole graph (passes.pipeline._choose), its choice recorded in the Plan."""
+
+    spec: str
+    fraction: float | None
+    """The limit as a fraction of the activation memory without checkpointing, or None."""
+    nbytes: int | None
+    """The limit as bytes of the step's predicted peak, or None."""
+    shown: str
+    """The limit as written, for messages."""
+    solver: str = "auto"
+    node_limit: int = 10_000
+    costs: str = "roofline"
+    uses_blocks: bool = False
+
+    def __call__(self, info) -> CheckpointPolicy:
+        raise RuntimeError(f"{self.spec} decides over the whole graph: the pipeline solves it, not per node")
+
+    def __repr__(self) -> str:
+        return self.spec
+
+    def candidates(self, gm: torch.fx.GraphModule, hard_rules: dict[str, str], *, fused: bool) -> Iterator[Candidate]:
+        return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=self.solver,
+                                  node_limit=self.node_limit, costs=self.costs, fused=fused)
+
+    def chooser(self) -> Chooser:
+        return Chooser(fraction=self.fraction, nbytes=self.nbytes, shown=self.shown)
+
+
+# Saved-bytes fractions of the no-recompute plan at which a budget offers solver plans; fixed, so
+# that every budget chooses from the same candidates (Note [Peak-aware budget]).
+BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One plan a budget offers: a per-node policy recomputing what its solution recomputes."""
+
+    decisions: dict[str, CheckpointPolicy]
+    solution: Solution
+    recomputed: frozenset[str]
+    """Names of the forward nodes it recomputes."""
+
+    def __call__(self, info) -> CheckpointPolicy:
+        return self.decisions[info.name]
+
+
 def candidate_policies(
     gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str, node_limit: int,
     costs: str = "roofline", fused: bool = False,
-) -> Iterator[Callable]:
-    """Per-node policies for the distinct plans at the grid's saved-bytes fractions, then the plan
+) -> Iterator[Candidate]:
+    """Candidates for the distinct plans at the grid's saved-bytes fractions, then the plan
     that saves least, most saved first (so least recompute first); made lazily. `costs` is
     "roofline" (Note [Roofline cost]) or "measured" (measured_costs); `fused`: planned for the
     min-cut partition under Inductor (fused pointwise costs, decisions(fused=True))."""
@@ -288,13 +337,8 @@ def candidate_policies(
             continue
         seen.add(key)
         chosen = decisions(graph, solution, fused=fused)
-
-        def policy(info, chosen=chosen):
-            return chosen[info.name]
-
-        policy.solution = solution  # type: ignore[attr-defined]
-        policy.recomputed = frozenset(n for n, d in chosen.items() if d == CheckpointPolicy.MUST_RECOMPUTE)  # type: ignore[attr-defined]
-        yield policy
+        yield Candidate(decisions=chosen, solution=solution,
+                        recomputed=frozenset(n for n, d in chosen.items() if d == CheckpointPolicy.MUST_RECOMPUTE))
 
 
 def recompute_cost(gm: torch.fx.GraphModule, names: tuple[str, ...] | list[str], *, fused: bool) -> float:

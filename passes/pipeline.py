@@ -17,7 +17,8 @@ from passes.plan import Plan
 from passes.partition import partition_pass
 from passes.regions import forward_nodes, regions_pass
 from passes.schedule import schedule_pass
-from passes.select import Policy, hard_rules, select_pass
+from passes.budget import BudgetSpec
+from passes.select import NamedPolicy, Policy, hard_rules, select_pass
 from passes.warn import warn_user
 from passes._compat import CheckpointPolicy, activation_memory_budget
 
@@ -69,7 +70,7 @@ def run(
     step("dropout", lambda: dropout_pass(joint), joint)
     step("batchnorm", lambda: batchnorm_pass(joint), joint)
     # A policy that does not look at blocks (graph(), none()) needs no warning about missing ones.
-    warn = getattr(policy, "uses_blocks", True)
+    warn = uses_blocks(policy)
     region_map = step("regions", lambda: regions_pass(joint, warn=warn), joint)
     step("costs", lambda: costs_pass(joint), joint)
 
@@ -112,8 +113,7 @@ def run(
         )
         return fw, bw, plan
 
-    candidates = getattr(policy, "candidates", None)
-    if candidates is None:
+    if not isinstance(policy, BudgetSpec):
         fw, bw, plan = plan_with(policy, policy_name)
     else:
         fw, bw, plan = _choose(step, plan_with, policy, policy_name, joint, num_fwd_outputs=num_fwd_outputs,
@@ -125,6 +125,13 @@ def run(
         ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()),
     )
     return fw, bw, plan
+
+
+def uses_blocks(policy: Policy) -> bool:
+    """Whether a policy decides by blocks: False for none(), graph() and a budget, which need no
+    blocks (no warning when a graph has none, or when they recompute nothing); True for the block
+    policies and any other callable."""
+    return policy.uses_blocks if isinstance(policy, (NamedPolicy, BudgetSpec)) else True
 
 
 def _choose(step, plan_with, policy, policy_name, joint, *, num_fwd_outputs, static_lifetime_input_indices,

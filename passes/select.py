@@ -51,6 +51,27 @@ class NodeInfo:
 Policy = Callable[[NodeInfo], CheckpointPolicy]
 
 
+@dataclass(frozen=True, kw_only=True)
+class NamedPolicy:
+    """A per-node policy with a stable description: what the built-in policies are (any callable
+    (NodeInfo) -> CheckpointPolicy is a policy too)."""
+
+    decide: Policy
+    spec: str
+    """How it was written, e.g. "blocks(every=1, skip_first=1)": logs, plans, cache keys."""
+    uses_blocks: bool = True
+    """False for a policy that does not look at blocks (none, graph): a graph without them is no
+    cause for a warning."""
+    patterns: tuple[str, ...] = ()
+    """only_in's module-path patterns, checked against each graph's paths."""
+
+    def __call__(self, info: NodeInfo) -> CheckpointPolicy:
+        return self.decide(info)
+
+    def __repr__(self) -> str:
+        return self.spec
+
+
 def hard_rule(node: torch.fx.Node) -> str | None:
     """Why a node must never be recomputed, or None. No policy overrides these."""
     target = node.target

@@ -220,3 +220,4 @@ def test_the_choice_lands_in_the_plan_not_on_the_policy():
     assert [p.budget.limit_bytes < p.budget.baseline_peak for p in plans] == [True, True]
     assert plans[0].budget.baseline_peak < plans[1].budget.baseline_peak  # each its own graph's figures
     assert not hasattr(shared, "choices")
+
