@@ -196,7 +196,7 @@ class CkptBackend:
             plan = None
         if plan is not None:
             self.plans.append(plan)
-            self._warn_if_unmatched(joint, plan, name)
+            self._warn_if_unmatched(plan, name)
             self._warn_if_outputs_held(plan)
             log.info(
                 "ckpt_fx: %s: saved %.1f MB, recompute %d ops (%.2f GFLOP), predicted peak %.1f MB",
@@ -227,12 +227,12 @@ class CkptBackend:
             "model.config.use_cache = False) when training, as its own gradient checkpointing does"
         )
 
-    def _warn_if_unmatched(self, joint: torch.fx.GraphModule, plan: Plan, name: str) -> None:
+    def _warn_if_unmatched(self, plan: Plan, name: str) -> None:
         """Warn once when a policy matched nothing in a graph that has blocks, or when an only_in
         pattern names no module of it, listing the module paths that do exist."""
         if not plan.blocks:
             return  # a graph without blocks (a loss after a graph break) proves nothing
-        paths = sorted({n.meta[PATH_KEY] for n in joint.graph.nodes if n.meta.get(PATH_KEY)})
+        paths = plan.module_paths
         policy = self.options.policy
         for pattern in policy.patterns if isinstance(policy, NamedPolicy) else ():
             if not any(fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p, pattern + ".*") for p in paths):

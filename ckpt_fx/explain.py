@@ -17,8 +17,6 @@ from passes._compat import no_fx_graph_cache, pytree
 from passes import Plan, step_peak_bytes
 from passes.memory import copy_graph_module
 from passes.pipeline import uses_blocks
-from passes.regions import REGION_KEY, forward_nodes
-from passes.select import RECOMPUTE, REASON_KEY
 
 # A checkpointed block whose recompute keeps out less than this is not worth its recompute.
 SMALL_REGION_BYTES = 64 * 1024
@@ -138,10 +136,8 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     options = Options(policy=policies.parse(policy), **Options.merged({"compiler": compiler} if compiler else {}))
     name = policies.policy_name(options.policy)
     backend = CkptBackend(options)
-    joints: list[torch.fx.GraphModule] = []
     unplanned = []  # each joint graph as it came, to plan again without checkpointing
     backend.on_joint.append(lambda joint, joint_inputs, kw: unplanned.append((copy_graph_module(joint), joint_inputs, kw)))
-    backend.on_partitioned.append(lambda done: joints.append(done.joint))
     work = copy.deepcopy(model)
     compiled = torch.compile(_fresh_function(lambda *a, **k: work(*a, **k)), backend=backend)
 
@@ -176,8 +172,8 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
         measured_peak_bytes=measured,
         eager_peak_bytes=eager,
         no_checkpoint_peak_bytes=step_peak_bytes(baseline.plans) if baseline.plans else None,
-        warnings=tuple(_pitfalls(options.policy, name, plans, joints)),
-        units=tuple(_units(joints)),
+        warnings=tuple(_pitfalls(options.policy, name, plans)),
+        units=tuple(_units(plans)),
     )
 
 
@@ -192,16 +188,14 @@ def _fresh_function(fn):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _units(joints: list[torch.fx.GraphModule]) -> list[str]:
+def _units(plans: tuple[Plan, ...]) -> list[str]:
     """In words: which level of nested stacks gave the units, which modules ran as several units,
     and which units skip_first does not skip (Notes [Nested stacks], [Calls as units], [What
     skip_first skips] in passes/regions.py)."""
     blocks = {}
-    for joint in joints:
-        for node in forward_nodes(joint.graph):
-            region = node.meta.get(REGION_KEY)
-            if region is not None and region.block is not None:
-                blocks.setdefault(region.block.name, region.block)
+    for plan in plans:
+        for block in plan.units:
+            blocks.setdefault(block.name, block)
     out = []
     nested = list(dict.fromkeys(b.stack for b in blocks.values() if b.in_stage))
     if nested:
@@ -217,7 +211,7 @@ def _units(joints: list[torch.fx.GraphModule]) -> list[str]:
     return out
 
 
-def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...], joints: list[torch.fx.GraphModule]) -> list[str]:
+def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...]) -> list[str]:
     """The pitfalls of checkpointing that a plan shows (see the README's FAQ)."""
     out = []
     if not plans:
@@ -228,13 +222,10 @@ def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...], joint
     if uses_blocks(policy) and not any(p.recomputed for p in plans):
         out.append(f"policy {name} recomputes nothing: no node matched it "
                    f"(blocks found: {', '.join(b.path for p in plans for b in p.blocks) or 'none'})")
-    for joint in joints:
-        asked = [n for n in forward_nodes(joint.graph)
-                 if n.meta.get(REASON_KEY) == "policy" and n.meta.get("recompute") in RECOMPUTE
-                 and getattr(n.meta.get(REGION_KEY), "kind", None) == "embedding"]
-        if asked:
-            out.append(f"the policy recomputes {len(asked)} embedding op(s): this saves nothing, an embedding's "
-                       "output is kept anyway as the next unit's input")
+    asked = sum(p.recomputed_embedding_ops for p in plans)
+    if asked:
+        out.append(f"the policy recomputes {asked} embedding op(s): this saves nothing, an embedding's "
+                   "output is kept anyway as the next unit's input")
     for plan in plans:
         for b in plan.blocks:
             if b.recomputed_ops and b.recomputed_bytes < SMALL_REGION_BYTES:

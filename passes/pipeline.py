@@ -15,12 +15,12 @@ from passes.dropout import dropout_pass
 from passes.memory import Estimate, JointLiveness, memory_pass
 from passes.plan import Plan
 from passes.partition import partition_pass
-from passes.regions import forward_nodes, regions_pass
+from passes.regions import PATH_KEY, REGION_KEY, forward_nodes, regions_pass
 from passes.schedule import schedule_pass
 from passes.budget import BudgetSpec
-from passes.select import NamedPolicy, Policy, hard_rules, select_pass
+from passes.select import REASON_KEY, RECOMPUTE, NamedPolicy, Policy, hard_rules, select_pass
 from passes.warn import warn_user
-from passes._compat import CheckpointPolicy, activation_memory_budget
+from passes._compat import RECOMPUTE_KEY, CheckpointPolicy, activation_memory_budget
 
 log = logging.getLogger("ckpt_fx")
 
@@ -119,12 +119,25 @@ def run(
         fw, bw, plan = _choose(step, plan_with, policy, policy_name, joint, num_fwd_outputs=num_fwd_outputs,
                                static_lifetime_input_indices=static_lifetime_input_indices,
                                partitioner=partitioner, strict=strict)
+    plan = dataclasses.replace(plan, **_graph_facts(joint, region_map))
     log.log(
         logging.INFO if dump is not None else logging.DEBUG,  # debug runs list the passes at INFO
         "ckpt_fx passes: %s",
         ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()),
     )
     return fw, bw, plan
+
+
+def _graph_facts(joint: torch.fx.GraphModule, region_map) -> dict:
+    """What the Plan records of the joint graph itself, for explain and the backend's warnings:
+    its units, its module paths, the embedding ops the policy asked to recompute."""
+    embedding_asked = sum(
+        1 for n in forward_nodes(joint.graph)
+        if n.meta.get(REASON_KEY) == "policy" and n.meta.get(RECOMPUTE_KEY) in RECOMPUTE
+        and getattr(n.meta.get(REGION_KEY), "kind", None) == "embedding"
+    )
+    paths = tuple(sorted({n.meta[PATH_KEY] for n in joint.graph.nodes if n.meta.get(PATH_KEY)}))
+    return {"units": region_map.blocks, "module_paths": paths, "recomputed_embedding_ops": embedding_asked}
 
 
 def uses_blocks(policy: Policy) -> bool:

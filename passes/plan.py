@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from passes.budget import Choice
+    from passes.regions import Block
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,13 @@ class Plan:
     hard_rules: dict[str, str] = field(default_factory=dict)
     """Nodes no policy may recompute, with why (random, mutation, ...)."""
     top_level_units: bool = False
+    units: tuple[Block, ...] = ()
+    """The graph's units in forward order (passes.regions): path, stack, calls, heavy, ..."""
+    module_paths: tuple[str, ...] = ()
+    """Every module path the graph's nodes came from, sorted."""
+    recomputed_embedding_ops: int = 0
+    """Embedding ops the policy asked to recompute: it saves nothing (the embedding's output is
+    the next unit's input, kept anyway)."""
     budget: Choice | None = None
     """What a memory budget chose for this graph (the candidate's peak, the limit, the solver, the
     budget it reaches when none fits); None for other policies."""
@@ -91,7 +99,9 @@ class Plan:
             raise ValueError(f"Plan.at: unknown size symbol(s) {unknown}; this plan's symbols: {valid}")
         if not sizes or self._at is None:
             return self
-        return dataclasses.replace(self._at(sizes={k: int(v) for k, v in sizes.items()}), budget=self.budget)
+        return dataclasses.replace(self._at(sizes={k: int(v) for k, v in sizes.items()}), budget=self.budget,
+                                   units=self.units, module_paths=self.module_paths,
+                                   recomputed_embedding_ops=self.recomputed_embedding_ops)
 
 
 def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:
