@@ -11,6 +11,11 @@ from tests._models import REQUIRES_CUDA
 # Examples and the command line run in subprocesses and inherit this.
 os.environ.setdefault("CKPT_FX_COMPILER", "eager")
 
+# Under pytest-xdist (the README's command runs two workers: tracing and compiling are mostly one
+# Python thread), each worker's kernels take one thread so the two do not fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # CI: a fixed, derandomized set of examples. CKPT_FX_HYPOTHESIS=large: ten times as many, random.
 settings.register_profile(
     "ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,

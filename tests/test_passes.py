@@ -51,7 +51,7 @@ def test_batchnorm_outputs_are_recomputed_and_its_statistics_move_once():
     cap = Recorder("blocks:every=1,skip_first=0")
     got = train_step(model, x, cap.backend)
     assert bitwise_equal(got, train_step(model, x, "aot_eager"))
-    (joint, bw), fw, plan = cap.graphs[0], cap.forwards[0], cap.backend.plans[0]
+    (_, bw), fw, plan = cap.graphs[0], cap.forwards[0], cap.backend.plans[0]
     functional, no_stats = torch.ops.aten._native_batch_norm_legit_functional.default, torch.ops.aten._native_batch_norm_legit.no_stats
     count = lambda gm, op: sum(n.target is op for n in gm.graph.nodes)  # noqa: E731
     assert count(fw, functional) == 2 * spec.depth and count(fw, no_stats) == 0

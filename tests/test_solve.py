@@ -217,8 +217,6 @@ def test_a_slow_clock_gives_the_same_plan(monkeypatch):
     """Note [Plans bounded by counts]: the plan does not depend on the machine's speed. A clock
     that runs 1000 s per reading (a loaded machine, as the solvers see it) gives the same plan,
     by the same solver, as the real one."""
-    import time
-
     import passes.solve as solve_module
 
     problem = _alike_blocks(8)
