@@ -364,9 +364,9 @@ def parse(spec: str | Policy | None) -> Policy:
             settings[key.strip()] = value.strip()
         return budget(limit, **settings)
     factories = {"blocks": (blocks, "every"), "segments": (segments, "size"), "sqrt": (sqrt, None), "none": (none, None),
-                 "graph": (graph, None), "budget": (budget, None), "selective": (selective, None)}
+                 "graph": (graph, None), "selective": (selective, None)}
     if name not in factories:
-        hint = [k for k in factories if k.startswith(name[:2])] if name else []
+        hint = [k for k in (*factories, "budget") if k.startswith(name[:2])] if name else []
         did = f" (did you mean {hint[0]!r}?)" if hint else ""
         raise ValueError(f"unknown policy {spec!r}{did}; valid forms: {', '.join(FORMS)}")
     factory, positional = factories[name]
