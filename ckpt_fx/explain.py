@@ -62,11 +62,14 @@ class Report:
         inputs = sum(1 for plan in self.plans for s in plan.saved if s.is_input)
         out.append(f"saved activations: {len(saved)} tensors, {total / mb:.2f} MB "
                    f"(plus {inputs} parameters/inputs kept by reference)")
-        listed = sorted(saved, key=lambda s: -s.nbytes)[:top] if top is not None else saved
+        names = {s.name for s in saved}
+        shared = lambda s: s.view_of is not None and s.view_of in names  # noqa: E731 - its bytes are its base's row
+        listed = sorted(saved, key=lambda s: -(0 if shared(s) else s.nbytes))[:top] if top is not None else saved
         for s in listed:
             shape = "x".join(map(str, s.shape)) or "scalar"
             dtype = str(s.dtype).replace("torch.", "")
-            out.append(f"  {s.module_path or '<top>':40s} {_described(s.op):40s} {shape:>18s} {dtype:8s} {s.nbytes / mb:8.3f} MB")
+            size = f"view of {s.view_of}" if shared(s) else f"{s.nbytes / mb:8.3f} MB"
+            out.append(f"  {s.module_path or '<top>':40s} {_described(s.op):40s} {shape:>18s} {dtype:8s} {size}")
         if top is not None and len(saved) > top:
             out.append(f"  ... and {len(saved) - top} smaller ones")
         out.append("")

@@ -141,6 +141,7 @@ def memory_pass(
                 dtype=value.dtype,
                 nbytes=tensor_bytes(value, sizes),
                 is_input=isinstance(key_of[node], tuple),
+                view_of=key_of[node].name if isinstance(key_of[node], torch.fx.Node) and key_of[node] is not node else None,
             )
         )
     forward_end = sum(fw_live.values())

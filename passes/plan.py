@@ -29,6 +29,9 @@ class SavedTensor:
     nbytes: int
     is_input: bool
     """A parameter, buffer or input (or a view of one): saving it costs no extra memory."""
+    view_of: str | None = None
+    """The node whose storage it shares when it is a view (detach, reshape, ...): its bytes are
+    that storage's, counted once."""
 
 
 @dataclass(frozen=True, kw_only=True)

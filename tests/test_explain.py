@@ -36,6 +36,13 @@ def test_report_lists_blocks_saved_tensors_and_peaks():
     assert abs(report.no_checkpoint_peak_bytes - report.eager_peak_bytes) <= 0.15 * report.eager_peak_bytes
     assert "predicted without checkpointing)" in text
     assert "native_dropout[1] (dropout mask)" in saved  # what is no activation says so
+    # A saved view of a saved value shows no bytes of its own (they are its base's row); a view
+    # saved without its base shows them.
+    rows = [s for plan in report.plans for s in plan.saved if not s.is_input]
+    names = {s.name for s in rows}
+    shared = [s for s in rows if s.view_of in names]
+    assert shared and all(f"view of {s.view_of}" in saved for s in shared)
+    assert all(" MB" not in line for line in saved.splitlines() if "view of " in line)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and all(p.grad is None for p in model.parameters())
 
 
