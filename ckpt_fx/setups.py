@@ -96,10 +96,6 @@ class Setup:
         raise ValueError(f"unknown setup {name!r}; valid: {SETUP_FORMS}")
 
     @property
-    def ours(self) -> bool:
-        return self.kind == "ckpt"
-
-    @property
     def inductor_draws(self) -> bool:
         """Whether its random ops (dropout) run as Inductor's own kernels."""
         if self.kind == "ckpt" and self.compiler is None:
