@@ -23,6 +23,8 @@ from collections.abc import Callable, Hashable, Sequence
 from passes import NodeInfo, Policy
 from passes._compat import CheckpointPolicy
 from passes.budget import BudgetSpec
+from passes.pipeline import uses_blocks
+from passes.solve import NODE_LIMIT
 from passes.select import NamedPolicy
 from passes.regions import Block
 
@@ -262,7 +264,7 @@ def _budget_value(limit: float | str) -> tuple[float | None, int | None]:
 COSTS = ("roofline", "measured")
 
 
-def budget(limit: float | str, *, solver: str = "auto", node_limit: int = 10_000, costs: str = "roofline") -> BudgetSpec:
+def budget(limit: float | str, *, solver: str = "auto", node_limit: int = NODE_LIMIT, costs: str = "roofline") -> BudgetSpec:
     """The cheapest plan whose predicted peak fits `limit`.
 
     `limit` is a fraction of the activation memory of the step without checkpointing (0.3 keeps
@@ -314,9 +316,8 @@ def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
     def combined(info: NodeInfo) -> CheckpointPolicy:
         return inner(info) if matches(info.module_path) else SAVE
 
-    uses_blocks = inner.uses_blocks if isinstance(inner, NamedPolicy) else True  # graph(): no block warning
-    return _named(combined, f"only_in({list(patterns)!r}, {policy_name(inner)})", uses_blocks=uses_blocks,
-                  patterns=patterns)
+    return _named(combined, f"only_in({list(patterns)!r}, {policy_name(inner)})",
+                  uses_blocks=uses_blocks(inner), patterns=patterns)  # only_in(graph): no block warning
 
 
 def policy_name(policy: Policy) -> str:

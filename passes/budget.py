@@ -32,7 +32,7 @@ from passes._compat import CheckpointPolicy, pytree, size_hint
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
 from passes.memory import Estimate
 from passes.regions import REGION_KEY, forward_nodes
-from passes.solve import Problem, Solution, save_all, solve
+from passes.solve import NODE_LIMIT, Problem, Solution, save_all, solve
 
 # Note [Roofline cost]
 # The recompute cost of a node is its time on a roofline: max(FLOPs / peak FLOP/s, bytes moved /
@@ -226,10 +226,10 @@ def decisions(graph: Graph, solution: Solution, *, fused: bool = False) -> dict[
 # fractions of the no-recompute saved bytes, then the plan that saves least), predicts each one's
 # step peak (under the default partition from the joint graph, JointLiveness; under min-cut from
 # the partitioned graphs, with torch's own plan at the same budget as a ceiling: Note [Torch's
-# knob as a candidate]), and picks the cheapest whose peak fits the limit. The candidates do not depend on the limit, so a lower
-# limit picks either the same plan (it still fits and is still the cheapest) or one whose peak is
-# below the new limit, hence below the old pick's: the predicted peak never rises as the limit
-# falls.
+# knob as a candidate]), and picks the cheapest whose peak fits the limit. The candidates do not
+# depend on the limit, so a lower limit picks either the same plan (it still fits and is still the
+# cheapest) or one whose peak is below the new limit, hence below the old pick's: the predicted
+# peak never rises as the limit falls.
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class BudgetSpec:
     shown: str
     """The limit as written, for messages."""
     solver: str = "auto"
-    node_limit: int = 10_000
+    node_limit: int = NODE_LIMIT
     costs: str = "roofline"
     uses_blocks: bool = False
 
