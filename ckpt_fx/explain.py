@@ -74,6 +74,8 @@ class Report:
             out.append(f"  ... and {len(saved) - top} smaller ones")
         out.append("")
         line = f"predicted peak: {self.predicted_peak_bytes / mb:.1f} MB"
+        if any(p.peak_model == "inductor" for p in self.plans):
+            line += " from Inductor's own schedule"
         if self.no_checkpoint_peak_bytes:
             line += (f" ({self.predicted_peak_bytes / self.no_checkpoint_peak_bytes:.2f}x the "
                      f"{self.no_checkpoint_peak_bytes / mb:.1f} MB predicted without checkpointing)")

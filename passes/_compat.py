@@ -43,6 +43,7 @@ __all__ = [
     "size_hint",
     "cache_hash",
     "inductor_random_as_eager",
+    "inductor_schedule",
     "mark_dynamic",
     "no_fx_graph_cache",
     "per_block_checkpointing",
@@ -170,6 +171,89 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None) -
             return compile_fx(gm, example_inputs)
 
     return compile_with_partitioner
+
+
+def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> tuple[
+        int, list[tuple[str, int, int, int, int]], dict[str, int], dict[str, str]]:
+    """How Inductor will run a partitioned graph, from its own lowering and scheduler (what it
+    fuses, the order it picks, the buffers it writes in place), as plain data; nothing is compiled.
+    Returns (steps, buffers, last_read, in_place): each buffer as (name, step it is allocated at,
+    last step that reads it or -1 when the graph returns it, bytes allocated, bytes freed); for
+    each graph input the last step that reads it; for each buffer a kernel writes into the storage
+    of one it reads for the last time, that one's name (a buffer or a graph input). Raises where
+    this torch's Inductor cannot be asked; the caller falls back (Note [Inductor's own schedule]
+    in passes/memory.py). `donated`: the backward's placeholders (by position) holding saved
+    values it may reuse, as AOTAutograd computes them once the partition is made
+    (functorch's donated_buffer). `gm` is lowered as it is: pass a copy."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._guards import detect_fake_mode
+    from torch._inductor import memory as inductor_memory
+    from torch._inductor.codegen.wrapper import can_match_buffer_size
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.scheduler import BaseSchedulerNode, Scheduler, SchedulerNode
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake = detect_fake_mode(inputs)
+    if fake is None:
+        raise RuntimeError("the graph's inputs carry no fake tensors to lower it with")
+    # Lower and schedule only: no autotuning benchmarks, no debug folders.
+    quiet = {"trace.enabled": False, "max_autotune": False, "max_autotune_gemm": False, "benchmark_fusion": False}
+    with _disable_current_modes(), inductor_config.patch(quiet), V.set_fake_mode(fake), DebugContext():
+        graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake.shape_env, is_backward=is_backward)
+        if is_backward:  # read from the tracing context, which holds another graph's at partition time
+            graph.bw_donated_idxs = list(donated) if functorch_config.donated_buffer else []
+        with V.set_graph_handler(graph):
+            graph.run(*inputs)
+            scheduler = Scheduler(graph.operations)
+            nodes = scheduler.nodes
+            graph_inputs = OrderedSet(graph.graph_inputs.keys())
+            graph_outputs = OrderedSet(graph.get_output_names())
+            # Sizes and successors of the final (fused, ordered) nodes, as Inductor's own
+            # peak-memory pass computes them (it may be switched off).
+            inductor_memory.prepare_planning_info(
+                nodes, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
+            infos, _, _ = inductor_memory.compute_memory_timeline(nodes, {}, graph_outputs)
+            buffers = [(b.buffer.get_name(), b.start_step, b.end_step, int(b.size_alloc), int(b.size_free)) for b in infos]
+            step_of = {sub: step for step, node in enumerate(nodes) for sub in node.get_nodes()}
+            last_read: dict[str, int] = {}
+            for step, node in enumerate(nodes):
+                for dep in node.read_writes.reads:
+                    if dep.name in graph_inputs:
+                        last_read[dep.name] = step
+            # What the code generator writes in place (Scheduler.decide_inplace_update, decided
+            # there as kernels are generated): a generated kernel's output into a buffer or a
+            # donated input it is the last reader of, read at the index it writes, of the same
+            # dtype and size.
+            readable = {**scheduler.name_to_buf, **scheduler.name_to_donated_buffer}
+            in_place: dict[str, str] = {}
+            for step, node in enumerate(nodes):
+                for sub in node.get_nodes():
+                    if not isinstance(sub, SchedulerNode):
+                        continue
+                    for out in sub.get_outputs():
+                        name = out.get_name()
+                        if (name in graph.removed_buffers or not out.node.should_allocate()
+                                or out.node.get_inputs_that_alias_output() or out.node.get_mutation_names()):
+                            continue
+                        for read in sub.read_writes.reads:
+                            source = readable.get(read.name)
+                            if source is None or read.name in in_place.values() or read.name in graph_outputs:
+                                continue
+                            users = [u for u in source.users if isinstance(u.node, BaseSchedulerNode)]
+                            later = [u for u in users
+                                     if step_of.get(u.node, -1) >= step and u.node.get_name() not in sub.ancestors]
+                            accesses = {d for u in users if step_of.get(u.node) == step
+                                        for d in u.node.read_writes.reads_and_writes() if d.name == read.name}
+                            if (len(later) == 1 and later[0].can_inplace and later[0].node is sub and len(accesses) <= 1
+                                    and source.node is not None and can_match_buffer_size(source.node, out.node)):
+                                in_place[name] = read.name
+                                break
+            return len(nodes), buffers, last_read, in_place
 
 
 def inductor_random_as_eager(on: bool = True):

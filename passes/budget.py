@@ -21,6 +21,7 @@ block, and the blocks are independent parts for the solver (Note [Independent pa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Iterator
@@ -224,12 +225,17 @@ def decisions(graph: Graph, solution: Solution, *, fused: bool = False) -> dict[
 # The saved bytes a solver bounds are not the peak: recomputation rebuilds values that then live
 # until their backward. So budget() plans a fixed set of candidates (the solver's plans at fixed
 # fractions of the no-recompute saved bytes, then the plan that saves least), predicts each one's
-# step peak (under the default partition from the joint graph, JointLiveness; under min-cut from
-# the partitioned graphs, with torch's own plan at the same budget as a ceiling: Note [Torch's
-# knob as a candidate]), and picks the cheapest whose peak fits the limit. The candidates do not
-# depend on the limit, so a lower limit picks either the same plan (it still fits and is still the
-# cheapest) or one whose peak is below the new limit, hence below the old pick's: the predicted
-# peak never rises as the limit falls.
+# step peak and picks the cheapest whose peak fits the limit. Under the default partition every
+# candidate's peak comes from the joint graph (JointLiveness), most saved first until one fits.
+# Under min-cut a peak needs the candidate partitioned and Inductor's schedule of it (seconds for
+# a large graph), so the cheapest fitting one is found by bisection over the candidates, whose
+# peaks fall as they save less (a bisection over peaks that do not fall may pick a costlier plan
+# that fits, never one that does not); torch's own plan at the same budget takes part (Note
+# [Torch's knob as a candidate]). The candidates do not depend on the limit, so a lower limit picks
+# either the same plan (it still fits and is still the cheapest) or one whose peak is below the
+# new limit, hence below the old pick's: the predicted peak never rises as the limit falls. (With
+# torch's plan taking part that holds for ours: torch's knob is not monotone, and where its plan at
+# a higher budget is leaner than our limit at a lower one, the higher budget keeps less.)
 
 
 @dataclass(frozen=True)
@@ -348,51 +354,63 @@ def recompute_cost(gm: torch.fx.GraphModule, names: tuple[str, ...] | list[str],
     return sum(roofline_cost(by_name[n], device, fused=fused) for n in names if n in by_name)
 
 
+NOTHING_TO_LOWER = 0.01
+"""A graph whose lowest plan keeps more than 1 - this of its peak above the gradients has nothing
+to recompute that lowers it: a budget leaves it as it is, without a warning."""
+
+
 class Chooser:
-    """Takes planned candidates in order and accepts the first whose predicted peak fits the limit
-    (Note [Peak-aware budget]); the first candidate (no recompute) sets the baseline."""
+    """Judges planned candidates against the limit (Note [Peak-aware budget]): the first planned
+    (no recompute) sets the baseline and the limit; `ceiling`, when set, is a peak no chosen plan
+    may exceed besides the limit (torch's own plan's under Inductor)."""
 
     def __init__(self, *, fraction: float | None, nbytes: int | None, shown: str):
         self.fraction, self.nbytes, self.shown = fraction, nbytes, shown
-        self.base = None
+        self.base: Estimate | None = None
         self.limit = 0
         self.peaks: list[int] = []
         self.ceiling: int | None = None
-        """A peak no chosen plan may exceed besides the limit (torch's own plan's under Inductor)."""
 
-    def accept(self, plan: Estimate, candidate) -> Choice | None:
+    def fits(self, plan: Estimate) -> bool:
+        """Whether a plan's predicted peak fits the limit and the ceiling; the first plan judged
+        is the baseline the limit counts from."""
         if self.base is None:
             self.base = plan
             floor = plan.gradient_bytes
             span = max(plan.peak_bytes - floor, 1)
             self.limit = int(floor + self.fraction * span) if self.fraction is not None else int(self.nbytes or 0)
         self.peaks.append(plan.peak_bytes)
-        if plan.peak_bytes > self.limit or (self.ceiling is not None and plan.peak_bytes > self.ceiling):
-            return None
-        solution = candidate.solution
+        return plan.peak_bytes <= self.limit and (self.ceiling is None or plan.peak_bytes <= self.ceiling)
+
+    def choice(self, peak: int, *, cost: float, solver: str) -> Choice:
+        """The Choice recording a plan of this peak and recompute cost."""
         return Choice(
             limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=min(self.peaks),
-            peak=plan.peak_bytes, cost=solution.cost, solver=solution.solver, candidates=len(self.peaks),
+            peak=peak, cost=cost, solver=solver, candidates=len(self.peaks),
         )
 
-    def reject(self, first, lowest, lowest_peak: int) -> tuple[Choice, Exception | None]:
-        """No candidate fitted. When no candidate lowers the peak at all (a graph with nothing to
-        recompute, such as a loss after a graph break): the first (no recompute), no error. Else the
-        candidate with the lowest predicted peak, and the Infeasible error naming the budget it
-        reaches: raised under strict, a warning otherwise (as torch's budget knob, the compile
-        goes on with the lowest plan)."""
+    def accept(self, plan: Estimate, candidate) -> Choice | None:
+        """The Choice for a candidate whose plan fits, else None."""
+        if not self.fits(plan):
+            return None
+        return self.choice(plan.peak_bytes, cost=candidate.solution.cost, solver=candidate.solution.solver)
+
+    def reject(self, first_cost: float, first_solver: str, lowest_peak: int, lowest_cost: float,
+               lowest_solver: str) -> tuple[Choice, Exception | None]:
+        """No plan fitted. When none lowers the peak by more than NOTHING_TO_LOWER of what it
+        could (a graph with nothing to recompute, such as a loss after a graph break; predicted
+        peaks of plans that differ in a few small recomputes differ by bytes): the first (no
+        recompute), no error. Else the plan with the lowest predicted peak, and the Infeasible
+        error naming the budget it reaches: raised under strict, a warning otherwise (as torch's
+        budget knob, the compile goes on with the lowest plan)."""
         from passes.solve import Infeasible
 
         smallest = min(self.peaks)
-        if smallest >= self.base.peak_bytes:
-            return Choice(
-                limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=smallest,
-                peak=self.base.peak_bytes, cost=first.solution.cost, solver=first.solution.solver,
-                candidates=len(self.peaks),
-            ), None
         floor = self.base.gradient_bytes
         span = max(self.base.peak_bytes - floor, 1)
         least = (smallest - floor) / span
+        if least >= 1 - NOTHING_TO_LOWER:
+            return self.choice(self.base.peak_bytes, cost=first_cost, solver=first_solver), None
         error = Infeasible(
             self.limit,
             smallest,
@@ -400,9 +418,5 @@ class Chooser:
             f"the lowest any plan reaches is {smallest / 2**20:.2f} MiB (budget {least:.3f} as a fraction, "
             f"or '{smallest / 2**20:.1f}MiB')",
         )
-        choice = Choice(
-            limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=smallest, peak=lowest_peak,
-            cost=lowest.solution.cost, solver=lowest.solution.solver, candidates=len(self.peaks),
-            reached=least,
-        )
+        choice = dataclasses.replace(self.choice(lowest_peak, cost=lowest_cost, solver=lowest_solver), reached=least)
         return choice, error

@@ -149,77 +149,107 @@ def uses_blocks(policy: Policy) -> bool:
 
 def _choose(step, plan_with, policy, policy_name, joint, *, num_fwd_outputs, static_lifetime_input_indices,
             partitioner, strict):
-    """_choices's plan, the budget's choice recorded in it (Plan.budget)."""
-    (fw, bw, plan), choice = _choices(step, plan_with, policy, policy_name, joint, num_fwd_outputs=num_fwd_outputs,
-                                      static_lifetime_input_indices=static_lifetime_input_indices,
-                                      partitioner=partitioner, strict=strict)
-    return fw, bw, dataclasses.replace(plan, budget=choice)
-
-
-def _choices(step, plan_with, policy, policy_name, joint, *, num_fwd_outputs, static_lifetime_input_indices,
-             partitioner, strict):
-    """A policy with candidates (a memory budget) offers several plans; the policy picks one by
-    their predicted peaks (Note [Peak-aware budget]). Under the default partition each peak is
-    predicted from the joint graph (Note [Peak from the joint graph]) and only the chosen one is
-    partitioned; under min-cut, which adds recomputes of its own, each candidate is partitioned and
-    its peak read from the partitioned graphs, until one fits, and torch's own plan at the same
-    budget is a candidate too (Note [Torch's knob as a candidate]). Returns ((fw, bw, plan), choice)."""
-    from passes.budget import Choice, recompute_cost
-
-    exact = partitioner == "min_cut"
-    liveness = None if exact else step(
-        "memory",
-        lambda: JointLiveness(joint, num_fwd_outputs=num_fwd_outputs, static_input_indices=static_lifetime_input_indices),
-    )
-    chooser = policy.chooser()
-    knob = None
-    if exact and chooser.fraction is not None:
-        with activation_memory_budget(chooser.fraction):
-            knob = plan_with(_leave_open, policy_name)
-        chooser.ceiling = knob[2].peak_bytes
-    first = lowest = planned = lowest_planned = None
-    lowest_peak = None
-    offered = iter(step("solve", lambda: policy.candidates(joint, hard_rules(joint), fused=exact)))
-    choice = None
-    while (candidate := step("solve", lambda: next(offered, None))) is not None:
-        if exact:
-            planned = plan_with(candidate, policy_name)
-            estimate = Estimate(peak_bytes=planned[2].peak_bytes, gradient_bytes=planned[2].gradient_bytes)
-        else:
-            estimate = step("memory", lambda: liveness.estimate(candidate.recomputed))
-        first = first or candidate
-        if lowest_peak is None or estimate.peak_bytes < lowest_peak:
-            lowest, lowest_peak, lowest_planned = candidate, estimate.peak_bytes, planned
-        choice = step("select", lambda: chooser.accept(estimate, candidate))
-        if choice is not None:
-            break
-    if knob is not None:
-        knob_cost = recompute_cost(joint, knob[2].recomputed, fused=True)
-        if choice is None and knob[2].peak_bytes <= chooser.limit:  # none of ours is as lean: torch's
-            return knob, Choice(
-                limit_bytes=chooser.limit, baseline_peak=chooser.base.peak_bytes,
-                smallest_peak=min(chooser.peaks + [knob[2].peak_bytes]), peak=knob[2].peak_bytes, cost=knob_cost,
-                solver="torch-knob", candidates=len(chooser.peaks) + 1,
-            )
-        chooser.peaks.append(knob[2].peak_bytes)  # the lowest any plan reaches counts torch's too
-    if choice is not None:
-        return (planned if exact else plan_with(candidate, policy_name)), choice
-    # Nothing fits: the lowest plan, with the budget it reaches (an error under strict); or, when
-    # no plan lowers this graph's peak at all (nothing in it to recompute), the graph as it is.
-    knob_lowest = knob is not None and knob[2].peak_bytes < lowest_peak
-    if knob_lowest:
-        lowest_peak = knob[2].peak_bytes
-    choice, error = step("select", lambda: chooser.reject(first, lowest, lowest_peak))
+    """A memory budget's plan, its choice recorded in it (Plan.budget). A budget offers several
+    candidate plans and picks one by their predicted peaks (Note [Peak-aware budget]): under the
+    default partition by walking the joint graph (_choose_by_walk), under min-cut by planning them
+    (_choose_by_planning). When none fits: the lowest, with a warning naming the budget it
+    reaches (an Infeasible error under strict)."""
+    if partitioner == "min_cut":
+        (fw, bw, plan), choice, error = _choose_by_planning(plan_with, policy, policy_name, joint, step=step)
+    else:
+        (fw, bw, plan), choice, error = _choose_by_walk(
+            plan_with, policy, policy_name, joint, step=step, num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices)
     if error is not None:
         if strict:
             raise error
         warn_user(f"ckpt_fx: {error}; planned the lowest")
-    if knob_lowest and error is not None:
-        return knob, dataclasses.replace(choice, cost=knob_cost, solver="torch-knob")
-    found = lowest if error is not None else first
-    if exact and found is lowest and lowest_planned is not None:
-        return lowest_planned, choice
-    return plan_with(found, policy_name), choice
+    return fw, bw, dataclasses.replace(plan, budget=choice)
+
+
+def _choose_by_walk(plan_with, policy, policy_name, joint, *, step, num_fwd_outputs, static_lifetime_input_indices):
+    """Under the default partition: each candidate's peak predicted from the joint graph (Note
+    [Peak from the joint graph]), most saved first, until one fits; only that one is partitioned.
+    Returns ((fw, bw, plan), choice, error)."""
+    liveness = step(
+        "memory",
+        lambda: JointLiveness(joint, num_fwd_outputs=num_fwd_outputs, static_input_indices=static_lifetime_input_indices),
+    )
+    chooser = policy.chooser()
+    first = lowest = None
+    lowest_peak = None
+    offered = iter(step("solve", lambda: policy.candidates(joint, hard_rules(joint), fused=False)))
+    while (candidate := step("solve", lambda: next(offered, None))) is not None:
+        estimate = step("memory", lambda: liveness.estimate(candidate.recomputed))
+        first = first or candidate
+        if lowest_peak is None or estimate.peak_bytes < lowest_peak:
+            lowest, lowest_peak = candidate, estimate.peak_bytes
+        choice = step("select", lambda: chooser.accept(estimate, candidate))
+        if choice is not None:
+            return plan_with(candidate, policy_name), choice, None
+    # Nothing fits: the lowest plan, with the budget it reaches; or, when no plan lowers this
+    # graph's peak at all (nothing in it to recompute), the graph as it is.
+    choice, error = chooser.reject(first.solution.cost, first.solution.solver, lowest_peak,
+                                   lowest.solution.cost, lowest.solution.solver)
+    return plan_with(lowest if error is not None else first, policy_name), choice, error
+
+
+def _choose_by_planning(plan_with, policy, policy_name, joint, *, step):
+    """Under min-cut, which adds recomputes of its own, a candidate's peak is known only once it is
+    partitioned (the memory pass reads it from Inductor's schedule, Note [Inductor's own
+    schedule]), so few are: Inductor's own partition (the baseline the limit counts from), torch's
+    plan at the same budget (Note [Torch's knob as a candidate]), then the cheapest of ours that
+    fits, found by bisection (the candidates save less and less: their peaks fall along them).
+    The cheaper of ours and torch's is chosen, torch's only when it fits the limit. Returns
+    ((fw, bw, plan), choice, error)."""
+    from passes.budget import recompute_cost
+
+    def estimate(planned) -> Estimate:
+        return Estimate(peak_bytes=planned[2].peak_bytes, gradient_bytes=planned[2].gradient_bytes)
+
+    def cost(planned) -> float:
+        return recompute_cost(joint, planned[2].recomputed, fused=True)
+
+    chooser = policy.chooser()
+    base = plan_with(_leave_open, policy_name)  # what Inductor alone does: nothing recomputed by us
+    found, solver = (base, "none") if chooser.fits(estimate(base)) else (None, None)
+    torch_plan = knob = None
+    if chooser.fraction is not None:
+        with activation_memory_budget(chooser.fraction):
+            torch_plan = plan_with(_leave_open, policy_name)
+        if chooser.fits(estimate(torch_plan)):  # else over the limit: not a choice, and no ceiling on ours
+            knob = torch_plan
+            chooser.ceiling = knob[2].peak_bytes
+            if found is not None and base[2].peak_bytes > chooser.ceiling:
+                found = None
+    offered = step("solve", lambda: [c for c in policy.candidates(joint, hard_rules(joint), fused=True) if c.recomputed])
+    planned: dict[int, tuple] = {}
+
+    def fits(i: int) -> bool:
+        if i not in planned:
+            planned[i] = plan_with(offered[i], policy_name)
+        return chooser.fits(estimate(planned[i]))
+
+    if found is None and offered and fits(len(offered) - 1):
+        low, high = -1, len(offered) - 1  # offered[high] fits; offered[low] does not (or is none)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(middle):
+                high = middle
+            else:
+                low = middle
+        found, solver = planned[high], offered[high].solution.solver
+    if knob is not None and (found is None or cost(knob) < cost(found)):
+        found, solver = knob, "torch-knob"
+    if found is not None:
+        return found, chooser.choice(found[2].peak_bytes, cost=cost(found), solver=solver), None
+    # Nothing fits: the lowest plan, with the budget it reaches; or, when no plan lowers this
+    # graph's peak at all (nothing in it to recompute), the graph as it is.
+    tried = [(p, offered[i].solution.solver) for i, p in sorted(planned.items())]
+    tried += [(torch_plan, "torch-knob")] if torch_plan is not None else []
+    lowest, solver = min(tried, key=lambda t: t[0][2].peak_bytes, default=(base, "none"))
+    choice, error = chooser.reject(0.0, "none", lowest[2].peak_bytes, cost(lowest), solver)
+    return (lowest if error is not None else base), choice, error
 
 
 def _leave_open(info) -> CheckpointPolicy:
@@ -229,10 +259,13 @@ def _leave_open(info) -> CheckpointPolicy:
 
 # Note [Torch's knob as a candidate]
 # Under Inductor, torch's activation_memory_budget=x plans with the min-cut partitioner too, by
-# its own rules (a knapsack over the ops min-cut would not recompute). budget:x plans torch's plan
-# at the same x first and takes its predicted peak as a ceiling: our cheapest candidate whose
-# predicted peak fits both our limit and that ceiling is chosen; only when none does is torch's
-# plan itself used (Choice.solver == "torch-knob"). So budget:x is predicted to keep no more than
-# torch's knob at x. Choosing torch's plan whenever our cost model priced it lower was tried: the
-# memory pass predicts torch's aggressive pointwise recompute poorly under Inductor (GPT-2 12x256
-# at 0.3: 207.9 MB predicted, 301.9 MB measured), so it was chosen over a plan measured at 193 MB.
+# its own rules (a knapsack over the ops min-cut would not recompute), and our hard rules still
+# hold in it (random ops, mutations are tagged MUST_SAVE before min-cut sees them). budget:x plans
+# torch's plan at the same x; when its predicted peak fits our limit, that peak is a ceiling for
+# ours, and torch's plan is itself a choice: the cheaper (recompute cost, Note [Roofline cost], of
+# what each partition recomputes) of it and our cheapest candidate under the ceiling is used
+# (Choice.solver == "torch-knob" when torch's). So budget:x keeps no more than torch's knob at x
+# where that fits x's limit, and costs no more by our cost model. This needs the peaks predicted
+# as Inductor runs the plans (Note [Inductor's own schedule]): predicted by the walk's own guess
+# of fusion, torch's aggressive pointwise recompute looked far leaner than it is (GPT-2 12x256
+# at 0.3: 207.9 MB predicted, 301.9 MB measured) and was chosen over a plan measured at 193 MB.

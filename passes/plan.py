@@ -60,6 +60,9 @@ class Plan:
     recompute_flops: int
     forward_peak_bytes: int
     backward_peak_bytes: int
+    peak_model: str = "walk"
+    """How the peaks were predicted: "inductor" from Inductor's own schedule of the graphs (Note
+    [Inductor's own schedule] in passes/memory.py), "walk" by the memory pass's walk of them."""
     forward_end_bytes: int = 0
     """Bytes the forward leaves allocated: saved activations and outputs."""
     gradient_bytes: int = 0
