@@ -10,14 +10,15 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ckpt_fx.measure import peak_bytes
 from ckpt_fx.setups import CPU_SETUPS, Setup, parse_setups
 from ckpt_fx.workloads import Workload
-from passes._compat import inductor_random_as_eager, no_fx_graph_cache
+from passes._compat import dynamo_recompile_limit, inductor_random_as_eager, no_fx_graph_cache
 from passes.plan import step_peak_bytes
 
 
@@ -56,26 +57,37 @@ def run(workload: Workload, setups: tuple[str, ...] = CPU_SETUPS, *, steps: int 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     parsed = parse_setups(setups)
-    results: list[Measured] = []
-    bar = _bar(len(parsed)) if progress else None  # on stderr: elapsed time and what is left
-    for k, setup in enumerate(parsed, 1):
-        if bar is not None:
-            bar.set_postfix_str(setup.name)
+    held: list[Held | Measured] = []
+    bar = _bar(len(parsed) + 1) if progress else None  # on stderr: elapsed time and what is left
+    # Every setup is compiled and kept (Dynamo compiles the model once per setup: its cache tells
+    # backends apart), then all are timed together (Note [Timing the setups together]).
+    with dynamo_recompile_limit(8 + 2 * len(parsed)):
         try:
-            # Cold compiles: a plan served from Inductor's FX graph cache (an earlier run of the
-            # same setup) would report no plan and a compile time that measures nothing.
+            for k, setup in enumerate(parsed, 1):
+                if bar is not None:
+                    bar.set_postfix_str(setup.name)
+                try:
+                    # Cold compiles: a plan served from Inductor's FX graph cache (an earlier run of
+                    # the same setup) would report no plan and a compile time that measures nothing.
+                    with no_fx_graph_cache(), inductor_random_as_eager(fallback_random):
+                        held.append(_compile_and_measure_peak(workload, setup, amp=amp))
+                except Exception as error:  # noqa: BLE001 - reported in the row, the other setups still run
+                    if k == 1:
+                        raise
+                    message = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[-1]
+                    held.append(Measured(setup=setup, error=message[:300]))
+                if bar is not None:
+                    bar.update(1)
+            if bar is not None:
+                bar.set_postfix_str(f"timing {steps} rounds")
             with no_fx_graph_cache(), inductor_random_as_eager(fallback_random):
-                results.append(_measure(workload, setup, steps=steps, amp=amp))
-        except Exception as error:  # noqa: BLE001 - reported in the row, the other setups still run
-            if k == 1:
-                raise
-            message = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[-1]
-            results.append(Measured(setup=setup, error=message[:300]))
+                _time_together([h for h in held if isinstance(h, Held)], steps=steps)
+        finally:
             torch.compiler.reset()
-        if bar is not None:
-            bar.update(1)
     if bar is not None:
+        bar.update(1)
         bar.close()
+    results = [h.measured() if isinstance(h, Held) else h for h in held]
     ref = results[0]
     dropout = workload.model.training and any(
         isinstance(m, torch.nn.Dropout) and m.p > 0 for m in workload.model.modules())
@@ -131,10 +143,33 @@ def _bar(total: int):
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} setups [{elapsed} elapsed, {remaining} left]{postfix}")
 
 
-def _measure(workload: Workload, setup: Setup, *, steps: int, amp: bool) -> Measured:
+@dataclass(kw_only=True)
+class Held:
+    """A compiled setup, its peak and gradients measured, kept for timing."""
+
+    setup: Setup
+    step: Callable[[], None]
+    """One training step, the gradients cleared first and the device synchronized after."""
+    peak: float
+    grads: list[torch.Tensor | None]
+    predicted_mb: float | None
+    compile_s: float
+    recompute_gflop: float | None
+    times: list[float] = field(default_factory=list)
+
+    def measured(self) -> Measured:
+        return Measured(setup=self.setup, peak=self.peak, step_s=statistics.median(self.times), grads=self.grads,
+                        predicted_mb=self.predicted_mb, compile_s=self.compile_s, recompute_gflop=self.recompute_gflop)
+
+
+def _compile_and_measure_peak(workload: Workload, setup: Setup, *, amp: bool) -> Held:
+    """A fresh copy of the model set up and compiled by its first step; the peak of the next step
+    and its gradients measured."""
     model = copy.deepcopy(workload.model)
     fn, b, patch = setup.prepare(model)
     cast = (lambda: torch.autocast(_device(model), dtype=torch.bfloat16)) if amp else contextlib.nullcontext
+    device = _device(model)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step() -> None:
         torch.manual_seed(1234)
@@ -146,8 +181,6 @@ def _measure(workload: Workload, setup: Setup, *, steps: int, amp: bool) -> Meas
         for p in model.parameters():
             p.grad = None
 
-    device = _device(model)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     start = time.perf_counter()
     step()
     sync()
@@ -155,20 +188,38 @@ def _measure(workload: Workload, setup: Setup, *, steps: int, amp: bool) -> Meas
     clear()
     peak = peak_bytes(step, device=device)
     grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-    times = []
-    for _ in range(steps):
+    clear()
+
+    def timed_step() -> None:
         clear()
         sync()
-        start = time.perf_counter()
         step()
         sync()
-        times.append(time.perf_counter() - start)
-    clear()
-    torch.compiler.reset()
+
     predicted = step_peak_bytes(b.plans) / 2**20 if b is not None and b.plans else None
     flops = sum(p.recompute_flops for p in b.plans) / 1e9 if b is not None and b.plans else None
-    return Measured(setup=setup, peak=peak, step_s=statistics.median(times), grads=grads, predicted_mb=predicted,
-                    compile_s=compile_s, recompute_gflop=flops)
+    return Held(setup=setup, step=timed_step, peak=peak, grads=grads, predicted_mb=predicted, compile_s=compile_s,
+                recompute_gflop=flops)
+
+
+def _time_together(held: list[Held], *, steps: int) -> None:
+    """`steps` rounds, each one step of every setup, forward and backward through the list in
+    turn (Note [Timing the setups together]); each step's seconds appended to its setup's times."""
+    for r in range(steps):
+        for h in held if r % 2 == 0 else reversed(held):
+            start = time.perf_counter()
+            h.step()
+            h.times.append(time.perf_counter() - start)
+
+
+# Note [Timing the setups together]
+# A shared machine's speed drifts over minutes: on the 2-core CPU this project runs on, Inductor
+# alone on GPT-2 6x384 took a median 0.650 s a step at first and 0.791 s a few minutes later, the
+# same compiled code. Timed one setup after another, two setups with the same plan (Inductor
+# alone and ckpt:none) came out 15% apart. So the bench compiles every setup first and keeps them
+# all (the model once per setup: mind a large model on a small device), then times them in
+# rounds, one step of each setup per round, the order reversed every other round: drift slows
+# every setup alike, and each setup's median compares.
 
 
 def _device(model: torch.nn.Module) -> str:

@@ -14,7 +14,7 @@ import torch
 from ckpt_fx import policies
 from ckpt_fx.backend import CkptBackend
 from ckpt_fx.backend import backend as ckpt_backend
-from passes._compat import activation_memory_budget, per_block_checkpointing
+from passes._compat import activation_memory_budget, own_backend, per_block_checkpointing
 
 CPU_SETUPS = (
     "eager", "checkpoint", "aot_eager-budget:0.5", "ckpt-eager:blocks", "ckpt-eager:blocks:every=1,skip_first=0",
@@ -110,13 +110,16 @@ class Setup:
             return model, None, none
         if self.kind == "checkpoint":
             return checkpoint_every_block(model), None, none
+        # Each setup compiles with a backend of its own: the bench keeps every setup compiled at once,
+        # and Dynamo would serve one's graphs to another compiled under an equal backend.
         if self.kind == "sac":
             wrapped = checkpoint_every_block(model, selective=True)
-            return (wrapped if self.compiler is None else torch.compile(wrapped, backend=self.compiler)), None, none
+            return (wrapped if self.compiler is None else torch.compile(wrapped, backend=own_backend(self.compiler))), None, none
         if self.kind == "compile":
-            return torch.compile(model, backend=self.compiler), None, none
+            return torch.compile(model, backend=own_backend(self.compiler)), None, none
         if self.kind == "knob":  # torch's own knob: the min-cut partitioner under an activation memory budget
-            return torch.compile(model, backend=self.compiler), None, functools.partial(activation_memory_budget, self.budget)
+            return (torch.compile(model, backend=own_backend(self.compiler)), None,
+                    functools.partial(activation_memory_budget, self.budget))
         b = ckpt_backend(policy=self.policy, compiler=self.compiler)
         return torch.compile(model, backend=b), b, none
 

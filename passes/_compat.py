@@ -46,6 +46,8 @@ __all__ = [
     "inductor_schedule",
     "mark_dynamic",
     "no_fx_graph_cache",
+    "dynamo_recompile_limit",
+    "own_backend",
     "per_block_checkpointing",
 ]
 
@@ -272,6 +274,24 @@ def no_fx_graph_cache():
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(fx_graph_cache=False)
+
+
+def dynamo_recompile_limit(limit: int):
+    """A context in which Dynamo compiles a function up to `limit` times before it gives up on it
+    (config.recompile_limit; cache_size_limit before torch renamed it)."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    return dynamo_config.patch({name: max(limit, getattr(dynamo_config, name))})
+
+
+def own_backend(name: str) -> Callable[..., Any]:
+    """torch.compile's backend `name` ("inductor", "aot_eager") as a callable of its own: Dynamo
+    serves a function's compiled graph to any later call under an equal backend, and two
+    torch.compile(backend=name) are equal, whatever config they were compiled under."""
+    from torch._dynamo import lookup_backend
+
+    return functools.partial(lookup_backend(name))
 
 
 def cache_hash(files: tuple[str, ...]) -> str:
