@@ -107,11 +107,16 @@ def fused_away(node: torch.fx.Node) -> bool:
 # GPT-2 4x256, batch 8x256, CPU: torch's knob at 0.3 measured 197.9 MB, the walk predicted 119.8;
 # every block checkpointed 97.7 MB, predicted 68.6. So under Inductor the memory pass asks
 # Inductor itself (_compat.inductor_schedule: its lowering and scheduler, no code generated) for
-# each graph's buffers, their sizes and the steps that allocate and last read them, and walks
-# that schedule with this pass's accounting (inputs count zero, saved values and incoming
-# gradients live from the backward's start until Inductor's last read of them, outputs held).
-# Measured on the same model: 0.99x to 1.07x of the measured peak for every plan above (the
-# caller dropping the logits early is most of the rest). It costs Inductor's lowering and
+# each graph's storages and the steps that allocate them and that they live through, by the code
+# generator's rules: a kernel writing in place into a buffer it last reads; a freed buffer handed
+# to a later one of the same size while Inductor's own estimate of the peak allows it (so a
+# freed buffer can stay allocated long after its last read); on a CPU, a run of generated kernels
+# allocating together and freeing after the run. This pass's accounting goes on top (inputs count
+# zero, saved values and incoming gradients live from the backward's start until Inductor is done
+# with their storage, outputs held). Measured on the same model: 0.99x to 1.07x of the measured
+# peak for every plan above (the caller dropping the logits early is most of the rest); with
+# min-cut's CSE on (which shares recomputed values, so frees come later and reuse differs), the
+# builtin GPT's blocks plan measured 36.2 MB, predicted 35.0. It costs Inductor's lowering and
 # scheduling once more per plan (about 10 s for GPT-2 12x256 on a 2-core CPU), so the budget
 # asks it for few candidates (Note [Peak-aware budget]). Where Inductor cannot be asked (another
 # torch, an op it cannot lower here) the walk's fused guess stands, and Plan.peak_model says so.
@@ -136,52 +141,34 @@ def _scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entr
         log.info("ckpt_fx: Inductor's schedule unavailable (%s: %s); the memory pass predicts fusion itself",
                  type(error).__name__, error)
         return None
-    freed: dict[object, int] = {}  # entry storage -> the last step reading it
+    # Entry storage -> the last step it lives through (None: to the end; -1: not read at all).
+    freed: dict[object, int | None] = {key: None for key in entry if key in pinned}
     for node in bw.graph.nodes:
         key = key_of.get(node)
-        if node.op == "placeholder" and key in entry and key not in pinned:
-            freed[key] = max(freed.get(key, -1), backward[2].get(node.name, -1))
-    names = {node.name: key_of.get(node) for node in bw.graph.nodes if node.op == "placeholder"}
-    return (_schedule_peak(forward, entry={}, freed={}, names={}),
-            _schedule_peak(backward, entry=entry, freed=freed, names=names))
+        if node.op != "placeholder" or key not in entry or key in pinned:
+            continue
+        end = backward[2].get(node.name, -1)
+        last = freed.get(key, -1)
+        freed[key] = None if end is None or last is None else max(last, end)
+    return _schedule_peak(forward, entry={}, freed={}), _schedule_peak(backward, entry=entry, freed=freed)
 
 
-def _schedule_peak(schedule: tuple[int, list[tuple[str, int, int, int, int]], dict[str, int], dict[str, str]], *,
-                   entry: dict[object, int], freed: dict[object, int], names: dict[str, object]) -> int:
-    """The peak of live bytes over a schedule (Note [Inductor's own schedule]): its buffers from
-    the step that allocates them to the last that reads them (a returned one to the end), on top
-    of `entry` (bytes live at the start by storage key, each freed after the step `freed` names,
-    -1 at once, never when not named; `names` maps graph inputs to those keys). A buffer written
-    in place into another's storage allocates nothing and keeps that storage alive instead."""
-    steps, buffers, _, in_place = schedule
+def _schedule_peak(schedule: tuple[int, list[tuple[int, int | None, int]], dict[str, int | None]], *,
+                   entry: dict[object, int], freed: dict[object, int | None]) -> int:
+    """The peak of live bytes over a schedule (Note [Inductor's own schedule]): each storage from
+    the step that allocates it through the last it lives through (None: to the end), on top of
+    `entry` (bytes live at the start by storage key, each freed after the step `freed` names: None
+    never, -1 at once, as is one not named)."""
+    steps, storages, _ = schedule
     delta = [0] * (steps + 2)
-    end_of = {name: end for name, _, end, _, _ in buffers}
-    storage: dict[str, int] = {}  # bytes of the storage each buffer lives in
-
-    def inherited(source: str) -> int | None:
-        """The storage bytes a buffer written into `source` takes over (its free cancelled), or
-        None when that storage is not this schedule's to reuse."""
-        if source in end_of:
-            if end_of[source] != -1:
-                delta[end_of[source] + 1] += storage[source]
-            return storage[source]
-        key = names.get(source)
-        if key in freed:
-            delta[freed[key] + 1] += entry[key]
-            return entry[key]
-        return None
-
-    for name, first, end, allocated, released in buffers:  # in step order: a source comes first
-        source = in_place.get(name)
-        taken = inherited(source) if source is not None and (source in storage or source not in end_of) else None
-        if taken is None:
-            delta[first] += allocated
-        storage[name] = released if taken is None else taken
-        if end != -1:
-            delta[end + 1] -= storage[name]
+    for first, last, nbytes in storages:
+        delta[first] += nbytes
+        if last is not None:
+            delta[last + 1] -= nbytes
     for key, nbytes in entry.items():
-        if key in freed:
-            delta[freed[key] + 1] -= nbytes
+        last = freed.get(key, -1)
+        if last is not None:
+            delta[last + 1] -= nbytes
     live = peak = sum(entry.values())
     for change in delta:
         live += change

@@ -191,21 +191,21 @@ def test_a_fusible_op_feeding_only_fusible_ops_is_not_stored_under_inductor():
     assert not fused_away(nodes[aten.mm.default])
 
 
-def test_a_schedules_peak_counts_its_buffers_its_entry_and_what_is_written_in_place():
+def test_a_schedules_peak_counts_its_storages_and_its_entry_until_freed():
     """Note [Inductor's own schedule], on a hand-made schedule of four steps: an incoming value
-    (100 bytes) last read at step 1; buf0 (40) from step 0 to 2; buf1 (100) written at step 1 into
-    the incoming value's storage (in place: nothing new, that storage lives on to step 3); buf2
-    (10) returned (never freed). Live bytes: 140 at step 0, 140 at 1, 150 at 2, 110 at 3."""
+    (100 bytes) whose storage a kernel writes into at step 1, so it lives through step 3; buf0
+    (40) from step 0 to 2; buf2 (10) returned (never freed). Live bytes: 140 at step 0, 140 at 1,
+    150 at 2, 110 at 3."""
     from passes.memory import _schedule_peak
 
-    schedule = (4, [("buf0", 0, 2, 40, 40), ("buf1", 1, 3, 100, 100), ("buf2", 2, -1, 10, 10)],
-                {"saved_1": 1}, {"buf1": "saved_1"})
-    assert _schedule_peak(schedule, entry={"key": 100}, freed={"key": 1}, names={"saved_1": "key"}) == 150
-    # Without the in-place write buf1 needs storage of its own while the incoming value lives.
-    plain = (4, schedule[1], schedule[2], {})
-    assert _schedule_peak(plain, entry={"key": 100}, freed={"key": 1}, names={"saved_1": "key"}) == 240
-    # A value nobody frees (held by the caller) stays on top of the rest.
-    assert _schedule_peak(plain, entry={"key": 100}, freed={}, names={}) == 250
+    schedule = (4, [(0, 2, 40), (2, None, 10)], {"saved_1": 3})
+    assert _schedule_peak(schedule, entry={"key": 100}, freed={"key": 3}) == 150
+    # Without the in-place write the value is freed after step 1 and buf1 needs storage of its own.
+    plain = (4, [(0, 2, 40), (1, 3, 100), (2, None, 10)], {"saved_1": 1})
+    assert _schedule_peak(plain, entry={"key": 100}, freed={"key": 1}) == 240
+    # A value nobody frees (held by the caller) stays on top of the rest; one not named goes at once.
+    assert _schedule_peak(plain, entry={"key": 100}, freed={"key": None}) == 250
+    assert _schedule_peak(plain, entry={"key": 100}, freed={}) == 150
 
 
 def test_fused_costs_price_a_pointwise_recompute_as_its_reads_and_a_matmul_as_before():
