@@ -1,6 +1,6 @@
 """budget: turn a joint graph into a recompute Problem (passes.solve) and a solution back into
 recompute decisions; choose among the candidates by their predicted peaks. The pipeline asks the
-memory-budget policy for its candidates (candidate_policies) and a Chooser picks one
+memory-budget policy for its candidates (Candidates) and a Chooser picks one
 (passes.pipeline._choose); the choice is recorded in the graph's Plan (Plan.budget).
 
 Values: the forward call nodes. A view cannot be saved on its own (saving it keeps its base
@@ -276,17 +276,19 @@ class BudgetSpec:
     def __repr__(self) -> str:
         return self.spec
 
-    def candidates(self, gm: torch.fx.GraphModule, hard_rules: dict[str, str], *, fused: bool) -> Iterator[Candidate]:
-        return candidate_policies(gm, hard_rules=hard_rules, grid=BUDGET_GRID, solver=self.solver,
-                                  node_limit=self.node_limit, costs=self.costs, fused=fused)
+    def candidates(self, gm: torch.fx.GraphModule, hard_rules: dict[str, str], *, fused: bool) -> Candidates:
+        return Candidates(gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=self.solver,
+                          node_limit=self.node_limit, costs=self.costs, fused=fused)
 
     def chooser(self) -> Chooser:
         return Chooser(fraction=self.fraction, nbytes=self.nbytes, shown=self.shown)
 
 
 # Saved-bytes fractions of the no-recompute plan at which a budget offers solver plans; fixed, so
-# that every budget chooses from the same candidates (Note [Peak-aware budget]).
+# that every budget chooses from the same candidates (Note [Peak-aware budget]). Under min-cut the
+# candidates are searched by bisection, a few planned however many there are, so the grid is finer.
 BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
+PLANNED_GRID = tuple(round(0.85**k, 4) for k in range(29))  # 1.0 down to 0.009
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,49 +304,71 @@ class Candidate:
         return self.decisions[info.name]
 
 
-def candidate_policies(
-    gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str, node_limit: int,
-    costs: str = "roofline", fused: bool = False,
-) -> Iterator[Candidate]:
-    """Candidates for the distinct plans at the grid's saved-bytes fractions, then the plan
-    that saves least, most saved first (so least recompute first); made lazily. `costs` is
-    "roofline" (Note [Roofline cost]) or "measured" (measured_costs); `fused`: planned for the
-    min-cut partition under Inductor (fused pointwise costs, decisions(fused=True))."""
-    from passes.solve import FRONT_SOLVES, Infeasible, pareto_front, parts_pay_off, smallest_budget
+class Candidates:
+    """The plans a budget offers, most saved first (so least recompute first): the solver's plan at
+    each of the grid's saved-bytes fractions of the no-recompute plan, then the plan that saves
+    least; each solved when first asked for (`candidates[i]`), so a bisection over them solves few.
+    Iterating gives the distinct ones in order. `costs` is "roofline" (Note [Roofline cost]) or
+    "measured" (measured_costs); `fused`: planned for the min-cut partition under Inductor (fused
+    pointwise costs, decisions(fused=True))."""
 
-    cost = measured_costs(graph_device(gm)) if costs == "measured" else None
-    graph = build_problem(gm, hard_rules=hard_rules, cost=cost, fused=fused)
-    problem = graph.problem
-    base = baseline_bytes(problem)
-    # A problem in many alike parts (a stack of blocks) has its whole front found once; every
-    # candidate is a point on it (Note [Independent parts]).
-    front = None
-    if solver == "parts" or (solver == "auto" and parts_pay_off(problem)):
-        # Under auto, a front not found within FRONT_SOLVES exact solves gives way to one MILP per
-        # candidate (a part with too many front points; Note [Plans bounded by counts]).
-        front = pareto_front(problem, node_limit=node_limit, max_solves=math.inf if solver == "parts" else FRONT_SOLVES)
-        if not front.exact and solver == "auto":
-            front = None
+    def __init__(self, gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str,
+                 node_limit: int, costs: str = "roofline", fused: bool = False):
+        from passes.solve import FRONT_SOLVES, pareto_front, parts_pay_off
 
-    def plan(b: int | None) -> Solution:
-        if front is not None:
-            return front.solution(problem, front.nbytes[-1] if b is None else b)
-        return solve(problem, smallest_budget(problem) if b is None else b, solver=solver, node_limit=node_limit,
-                     try_parts=False)  # parts were tried above
+        cost = measured_costs(graph_device(gm)) if costs == "measured" else None
+        self.graph = build_problem(gm, hard_rules=hard_rules, cost=cost, fused=fused)
+        self.grid, self.solver, self.node_limit, self.fused = grid, solver, node_limit, fused
+        self.base = baseline_bytes(self.graph.problem)
+        self._made: dict[int, Candidate] = {}
+        # A problem in many alike parts (a stack of blocks) has its whole front found once; every
+        # candidate is a point on it (Note [Independent parts]).
+        self.front = None
+        problem = self.graph.problem
+        if solver == "parts" or (solver == "auto" and parts_pay_off(problem)):
+            # Under auto, a front not found within FRONT_SOLVES exact solves gives way to one MILP per
+            # candidate (a part with too many front points; Note [Plans bounded by counts]).
+            self.front = pareto_front(problem, node_limit=node_limit,
+                                      max_solves=math.inf if solver == "parts" else FRONT_SOLVES)
+            if not self.front.exact and solver == "auto":
+                self.front = None
 
-    seen = set()
-    for g in (*grid, None):
-        try:
-            solution = plan(None if g is None else int(g * base))
-        except Infeasible:
-            continue
-        key = (solution.saved, solution.recomputed)
-        if key in seen:
-            continue
-        seen.add(key)
-        chosen = decisions(graph, solution, fused=fused)
-        yield Candidate(decisions=chosen, solution=solution,
-                        recomputed=frozenset(n for n, d in chosen.items() if d == CheckpointPolicy.MUST_RECOMPUTE))
+    def __len__(self) -> int:
+        return len(self.grid) + 1
+
+    def __getitem__(self, i: int) -> Candidate:
+        """The plan at the grid's i-th fraction (the last: the plan that saves least); a fraction
+        below what any plan reaches gives the plan that saves least."""
+        from passes.solve import Infeasible, smallest_budget
+
+        if i not in self._made:
+            problem = self.graph.problem
+            least = i >= len(self.grid)
+            try:
+                if self.front is not None:
+                    solution = self.front.solution(problem, self.front.nbytes[-1] if least else int(self.grid[i] * self.base))
+                else:
+                    budget = smallest_budget(problem) if least else int(self.grid[i] * self.base)
+                    solution = solve(problem, budget, solver=self.solver, node_limit=self.node_limit,
+                                     try_parts=False)  # parts were tried above
+            except Infeasible:
+                if least:
+                    raise
+                self._made[i] = self[len(self) - 1]
+                return self._made[i]
+            chosen = decisions(self.graph, solution, fused=self.fused)
+            self._made[i] = Candidate(decisions=chosen, solution=solution, recomputed=frozenset(
+                n for n, d in chosen.items() if d == CheckpointPolicy.MUST_RECOMPUTE))
+        return self._made[i]
+
+    def __iter__(self) -> Iterator[Candidate]:
+        seen = set()
+        for i in range(len(self)):
+            candidate = self[i]
+            key = (candidate.solution.saved, candidate.solution.recomputed)
+            if key not in seen:
+                seen.add(key)
+                yield candidate
 
 
 def recompute_cost(gm: torch.fx.GraphModule, names: tuple[str, ...] | list[str], *, fused: bool) -> float:

@@ -19,6 +19,7 @@ def partition_pass(
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
     partitioner: str = "default",
+    cse: bool | None = None,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Split the joint graph by the decisions select_pass wrote into node.meta["recompute"].
 
@@ -29,9 +30,9 @@ def partition_pass(
       uses it: without fusion, a recomputed pointwise op is a kernel of its own.
     - "min_cut" gives the open decisions to torch's min-cut partitioner, which recomputes cheap
       fusible ops when that saves bytes (Note [Min-cut under Inductor]): with no tags this is
-      exactly Inductor's own partition, and every policy's savings stack on top of it. When the
-      policy recomputes anything, min-cut runs without its CSE of the joint graph (Note [No CSE
-      under recompute]).
+      exactly Inductor's own partition, and every policy's savings stack on top of it. `cse`:
+      whether min-cut first merges identical nodes of the joint graph as torch does (True), or
+      not (False); None: not when the policy recomputes anything (Note [CSE under recompute]).
     The backward receives copies of the recomputed nodes (same names, same meta). Torch orders the
     backward it returns much as schedule_pass does; schedule_pass still runs after it, so the
     just-in-time order is ours to guarantee. Mutates the joint graph only as torch's partitioners
@@ -41,14 +42,27 @@ def partition_pass(
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; valid: {', '.join(PARTITIONERS)}")
     split = min_cut_partition if partitioner == "min_cut" else default_partition
-    recomputes = any(n.meta.get(RECOMPUTE_KEY) in RECOMPUTE for n in joint.graph.nodes)
-    with without_joint_cse() if partitioner == "min_cut" and recomputes else contextlib.nullcontext():
+    merge = merges_joint(joint, partitioner=partitioner, cse=cse)
+    with without_joint_cse() if merge is False else contextlib.nullcontext():
         return split(
             joint,
             joint_inputs,
             num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices,
         )
+
+def recomputes(joint: torch.fx.GraphModule) -> bool:
+    """Whether select_pass marked any node of the joint graph for recompute."""
+    return any(n.meta.get(RECOMPUTE_KEY) in RECOMPUTE for n in joint.graph.nodes)
+
+
+def merges_joint(joint: torch.fx.GraphModule, *, partitioner: str, cse: bool | None) -> bool | None:
+    """Whether partition_pass lets min-cut CSE the joint graph first (its `cse`, resolved);
+    None under the default partition, which has no such step."""
+    if partitioner != "min_cut":
+        return None
+    return not recomputes(joint) if cse is None else cse
+
 
 # Note [Min-cut under Inductor]
 # Inductor fuses pointwise ops into their consumers, so recomputing one in the backward costs
@@ -59,17 +73,17 @@ def partition_pass(
 # honours the MUST_* tags and decides the rest as Inductor alone would. So `none` is Inductor's
 # own partition and no policy starts from a worse baseline than Inductor alone.
 
-# Note [No CSE under recompute]
+# Note [CSE under recompute]
 # torch's min-cut partitioner first merges identical nodes of the joint graph (CSE), which ties
-# backward computations to forward nodes a policy marked for recompute. Measured on a 3-block GPT
-# (width 128, batch 4x256, CPU, Inductor) checkpointing every block: 27.4 MB peak with that CSE,
-# 16.9 MB without (17.0 MB with the default partition; the memory pass predicts 17.5 MB, and does
-# not see the difference). Running the same CSE before regions and select instead, so that a
-# merged node is one value read by several units, measured 27.5 MB: what it merges is not (only)
-# values of several blocks. So a plan with recomputes is partitioned without it; a plan without
-# (`none`) keeps torch's setting and stays exactly Inductor's own partition. min-cut's CSE replaces
-# joint.graph, so a budget's candidates, planned after one with nothing recomputed (and after
-# torch's own plan), are partitioned from the CSE'd graph: that is what the budget tables in the
-# README measured. The cost: on GPT-2
-# 6x384 `selective` keeps 120.3 MB where torch's op-level selective checkpointing (with CSE)
-# keeps 118.3 MB.
+# backward computations to forward nodes a policy marked for recompute; whether that helps depends
+# on the model. Measured on a CPU under Inductor (2026-12-01, torch 2.13): a 3-block GPT (width
+# 128, batch 4x256) checkpointing every block peaks at 36.2 MB with that CSE, 28.5 MB without;
+# GPT-2 6x384 (batch 2x512) at 95.8 MB with it, 98.6 MB without, and its `selective` plan at
+# 118.3 MB with it (as torch's op-level selective checkpointing, which keeps it) and 120.3 MB
+# without. The memory pass orders these pairs right (predicted 35.0 / 28.5, 98.2 / 101.0,
+# 119.3 / 121.3 MB), so a policy that recomputes is partitioned both ways and the plan of the
+# lower predicted peak is kept (Plan.joint_cse says which; pipeline._both_ways), without CSE first:
+# min-cut's CSE replaces joint.graph. A plan without recomputes (`none`) keeps torch's setting and
+# stays exactly Inductor's own partition. A budget's candidates are planned after one with nothing
+# recomputed (and after torch's own plan), so they are partitioned, without CSE, from the graph
+# that CSE made.

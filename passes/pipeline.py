@@ -14,7 +14,7 @@ from passes.costs import costs_pass
 from passes.dropout import dropout_pass
 from passes.memory import Estimate, JointLiveness, memory_pass
 from passes.plan import Plan
-from passes.partition import partition_pass
+from passes.partition import merges_joint, partition_pass
 from passes.regions import PATH_KEY, REGION_KEY, forward_nodes, regions_pass
 from passes.schedule import schedule_pass
 from passes.budget import BudgetSpec
@@ -74,11 +74,13 @@ def run(
     region_map = step("regions", lambda: regions_pass(joint, warn=warn), joint)
     step("costs", lambda: costs_pass(joint), joint)
 
-    def plan_with(node_policy: Policy, name: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
+    def plan_with(node_policy: Policy, name: str, cse: bool | None = None,
+                  ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
         forced = step("select", lambda: select_pass(joint, policy=node_policy), joint)
         if dump is not None:
             dump("select", "after", joint)
         forward_names = {n.name for n in forward_nodes(joint.graph) if n.op == "call_function"}
+        merged = merges_joint(joint, partitioner=partitioner, cse=cse)
         fw, bw = step(
             "partition",
             lambda: partition_pass(
@@ -87,6 +89,7 @@ def run(
                 num_fwd_outputs=num_fwd_outputs,
                 static_lifetime_input_indices=static_lifetime_input_indices,
                 partitioner=partitioner,
+                cse=cse,
             ),
             joint,
         )
@@ -111,10 +114,12 @@ def run(
                 fused=partitioner == "min_cut",
             ),
         )
-        return fw, bw, plan
+        return fw, bw, dataclasses.replace(plan, joint_cse=merged)
 
     if not isinstance(policy, BudgetSpec):
         fw, bw, plan = plan_with(policy, policy_name)
+        if plan.joint_cse is False:  # min-cut, with recomputes
+            fw, bw, plan = _both_ways((fw, bw, plan), plan_with(policy, policy_name, cse=True))
     else:
         fw, bw, plan = _choose(step, plan_with, policy, policy_name, joint, num_fwd_outputs=num_fwd_outputs,
                                static_lifetime_input_indices=static_lifetime_input_indices,
@@ -126,6 +131,17 @@ def run(
         ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()),
     )
     return fw, bw, plan
+
+
+def _both_ways(without: tuple, merged: tuple) -> tuple:
+    """Of a policy's plans partitioned without and with min-cut's CSE of the joint graph, the one
+    of lower predicted peak; the cheaper (less recomputed) on a tie (Note [CSE under recompute])."""
+    order = lambda planned: (planned[2].peak_bytes, planned[2].recompute_flops)  # noqa: E731
+    chosen = min((without, merged), key=order)
+    log.info("ckpt_fx: %s partitioned with and without min-cut's CSE: %.1f / %.1f MB predicted; kept %s",
+             chosen[2].policy, merged[2].peak_bytes / 2**20, without[2].peak_bytes / 2**20,
+             "with" if chosen is merged else "without")
+    return chosen
 
 
 def _graph_facts(joint: torch.fx.GraphModule, region_map) -> dict:
@@ -222,34 +238,72 @@ def _choose_by_planning(plan_with, policy, policy_name, joint, *, step):
             chooser.ceiling = knob[2].peak_bytes
             if found is not None and base[2].peak_bytes > chooser.ceiling:
                 found = None
-    offered = step("solve", lambda: [c for c in policy.candidates(joint, hard_rules(joint), fused=True) if c.recomputed])
-    planned: dict[int, tuple] = {}
+    offered = step("solve", lambda: policy.candidates(joint, hard_rules(joint), fused=True))
+    planned: dict[tuple, tuple] = {}  # each distinct plan partitioned once
+
+    def plan(i: int) -> tuple:
+        candidate = step("solve", lambda: offered[i])
+        if not candidate.recomputed:
+            return base
+        key = (candidate.solution.saved, candidate.solution.recomputed)
+        if key not in planned:
+            planned[key] = (plan_with(candidate, policy_name), candidate.solution.solver)
+        return planned[key][0]
+
+    verdicts: dict[int, bool] = {}  # by plan: several grid points may give one
 
     def fits(i: int) -> bool:
-        if i not in planned:
-            planned[i] = plan_with(offered[i], policy_name)
-        return chooser.fits(estimate(planned[i]))
+        planned_i = plan(i)
+        if id(planned_i) not in verdicts:
+            verdicts[id(planned_i)] = chooser.fits(estimate(planned_i))
+        return verdicts[id(planned_i)]
 
-    if found is None and offered and fits(len(offered) - 1):
-        low, high = -1, len(offered) - 1  # offered[high] fits; offered[low] does not (or is none)
-        while high - low > 1:
-            middle = (low + high) // 2
-            if fits(middle):
-                high = middle
-            else:
-                low = middle
-        found, solver = planned[high], offered[high].solution.solver
+    if found is None:
+        lowest = _lowest_from_the_end(len(offered), plan)
+        if fits(lowest):
+            low, high = -1, lowest  # offered[high] fits; offered[low] does not (or is none)
+            while high - low > 1:
+                middle = (low + high) // 2
+                if fits(middle):
+                    high = middle
+                else:
+                    low = middle
+            found = plan(high)
+            solver = next((name for p, name in planned.values() if p is found), "none")
     if knob is not None and (found is None or cost(knob) < cost(found)):
         found, solver = knob, "torch-knob"
     if found is not None:
         return found, chooser.choice(found[2].peak_bytes, cost=cost(found), solver=solver), None
     # Nothing fits: the lowest plan, with the budget it reaches; or, when no plan lowers this
     # graph's peak at all (nothing in it to recompute), the graph as it is.
-    tried = [(p, offered[i].solution.solver) for i, p in sorted(planned.items())]
-    tried += [(torch_plan, "torch-knob")] if torch_plan is not None else []
+    tried = [*planned.values(), *([(torch_plan, "torch-knob")] if torch_plan is not None else [])]
     lowest, solver = min(tried, key=lambda t: t[0][2].peak_bytes, default=(base, "none"))
     choice, error = chooser.reject(0.0, "none", lowest[2].peak_bytes, cost(lowest), solver)
     return (lowest if error is not None else base), choice, error
+
+
+def _lowest_from_the_end(count: int, plan: Callable[[int], tuple]) -> int:
+    """The candidate of lowest predicted peak, looked for from the one that saves least towards
+    those that save more while the peak does not rise by more than PLATEAU (past the lowest, a
+    plan that saves less can peak higher: it rebuilds more at once), at most LOWEST_SEARCH distinct
+    plans; returns its position (of those as low, the one that saves most: the cheapest)."""
+    best = count - 1
+    tried, i = 1, best - 1
+    while i >= 0 and tried < LOWEST_SEARCH:
+        if plan(i) is not plan(best):  # else the same plan at another grid point
+            tried += 1
+            if plan(i)[2].peak_bytes > (1 + PLATEAU) * plan(best)[2].peak_bytes:
+                break
+            if plan(i)[2].peak_bytes <= plan(best)[2].peak_bytes:
+                best = i
+        i -= 1
+    return best
+
+
+LOWEST_SEARCH = 6
+PLATEAU = 0.01
+"""Distinct plans _lowest_from_the_end partitions at most, each costing a partition and
+Inductor's schedule."""
 
 
 def _leave_open(info) -> CheckpointPolicy:

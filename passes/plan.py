@@ -63,6 +63,9 @@ class Plan:
     peak_model: str = "walk"
     """How the peaks were predicted: "inductor" from Inductor's own schedule of the graphs (Note
     [Inductor's own schedule] in passes/memory.py), "walk" by the memory pass's walk of them."""
+    joint_cse: bool | None = None
+    """Under min-cut, whether it merged identical nodes of the joint graph first (Note [CSE under
+    recompute] in passes/partition.py); None under the default partition."""
     forward_end_bytes: int = 0
     """Bytes the forward leaves allocated: saved activations and outputs."""
     gradient_bytes: int = 0
