@@ -158,6 +158,9 @@ FROZEN_CONV_SEGMENT = Spec(depth=2, width=8, heads=1, embedding=False, attention
                            residual=False, conv=True, frozen=True)
 
 
+# Two compiles and two measured steps per example: half the profile's examples (the gradient
+# property above, the contract, runs them all; the "large" profile runs 125 here).
+@settings(max_examples=max(8, settings.default.max_examples // 2))
 @given(spec=specs.filter(lambda s: s.width >> (min(s.stages, s.depth) - 1) >= 8), policy=st.sampled_from(POLICIES[:6]),
        batch=st.integers(2, 4), seq=st.integers(16, 32))
 @example(spec=FROZEN_CONV_SEGMENT, policy="segments:2", batch=2, seq=16)
