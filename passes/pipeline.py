@@ -250,7 +250,7 @@ def _choose_by_planning(plan_with, policy, policy_name, joint, *, step):
             planned[key] = (plan_with(candidate, policy_name), candidate.solution.solver)
         return planned[key][0]
 
-    verdicts: dict[int, bool] = {}  # by plan: several grid points may give one
+    verdicts: dict[int, bool] = {}  # by plan, judged once: Choice.candidates counts distinct plans
 
     def fits(i: int) -> bool:
         planned_i = plan(i)
