@@ -7,8 +7,6 @@
 
 import importlib
 import logging
-import sys
-import types
 
 # Note [A package that imports torch when used]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -16,20 +14,20 @@ import types
 # names below are loaded on first use (PEP 562). Two of them, `backend` and `explain`, are both a
 # function here and a submodule: the import system binds a submodule onto its package when it is
 # first imported, which would replace the function, so the package keeps its own binding for
-# those names (`_Package.__setattr__`); `import ckpt_fx.backend` and `from ckpt_fx.backend import
+# those names (`_Package.__setattr__`); `import ckpt_fx.dynamo_backend` and `from ckpt_fx.dynamo_backend import
 # ...` still find the module in sys.modules.
 _EXPORTS = {
     "BlockPlan": "passes",
     "CheckpointPolicy": "passes._compat",
-    "CkptBackend": "ckpt_fx.backend",
+    "CkptBackend": "ckpt_fx.dynamo_backend",
     "NodeInfo": "passes",
-    "Options": "ckpt_fx.backend",
+    "Options": "ckpt_fx.dynamo_backend",
     "Plan": "passes",
-    "Report": "ckpt_fx.explain",
+    "Report": "ckpt_fx.report",
     "RewrittenGraphModule": "ckpt_fx.rewrite",
     "SavedTensor": "passes",
-    "backend": "ckpt_fx.backend",
-    "explain": "ckpt_fx.explain",
+    "backend": "ckpt_fx.dynamo_backend",
+    "explain": "ckpt_fx.report",
     "peak_bytes": "ckpt_fx.measure",
     "policies": None,
     "rewrite_graph": "ckpt_fx.rewrite",
@@ -50,14 +48,6 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
 
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in ("backend", "explain") and isinstance(value, types.ModuleType):
-            return  # the function keeps the name (Note [A package that imports torch when used])
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 logging.getLogger("ckpt_fx").addHandler(logging.NullHandler())
 
 __all__ = sorted(_EXPORTS)

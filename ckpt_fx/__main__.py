@@ -57,7 +57,7 @@ def demo(args: argparse.Namespace) -> int:
     import torch
 
     import ckpt_fx
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here")
@@ -113,8 +113,9 @@ def demo(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     import torch
 
-    from ckpt_fx import bench as b
-    from ckpt_fx import setups as st
+    from ckpt_fx.bench import plot
+    from ckpt_fx.bench import table as b
+    from ckpt_fx.bench import setups as st
 
     setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else st.default_setups(args.device)
     try:
@@ -124,7 +125,7 @@ def bench(args: argparse.Namespace) -> int:
             setups = st.sweep_setups(args.sweep)
         st.parse_setups(setups)  # a bad name is refused before the model is built
         if args.plot:
-            b.require_matplotlib()
+            plot.require_matplotlib()
         workload = _workload(args).to(args.device)
         rows = b.run(workload, setups, steps=args.steps, amp=args.amp, progress=True, fallback_random=args.fallback_random)
     except ValueError as error:
@@ -141,7 +142,7 @@ def bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(b.as_dicts(rows), f, indent=2, allow_nan=False)
     if args.plot:
-        b.plot(rows, args.plot, title=f"{workload.name}; torch {torch.__version__}{amp}")
+        plot.plot(rows, args.plot, title=f"{workload.name}; torch {torch.__version__}{amp}")
         print(f"\nplot: {args.plot}")
     return 0
 
@@ -149,7 +150,7 @@ def bench(args: argparse.Namespace) -> int:
 def solvers(args: argparse.Namespace) -> int:
     import torch
 
-    from ckpt_fx import solver_table as table
+    from ckpt_fx.bench import solver_table as table
 
     fractions = args.budgets
     names = tuple(s.strip() for s in args.solvers.split(","))
@@ -164,7 +165,7 @@ def solvers(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace):
-    from ckpt_fx import workloads
+    from ckpt_fx.bench import workloads
 
     return workloads.workload(args.model, layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch,
                               seq=args.seq, overrides=workloads.parse_overrides(args.config))

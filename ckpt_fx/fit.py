@@ -42,14 +42,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ckpt_fx import policies as policy_forms
-from ckpt_fx.backend import CkptBackend, Options
-from ckpt_fx.explain import _fresh_function, training_loss
+from ckpt_fx.dynamo_backend import CkptBackend, Options
+from ckpt_fx.report import _fresh_function, training_loss
 from passes import Plan, step_peak_bytes
-from passes.memory import copy_graph_module
-from passes._compat import FakeCopyMode, FakeTensor, FakeTensorMode, mark_dynamic
+from passes.graphs import copy_graph_module
+from passes.sizes import UNITS_SHOWN, parse_size
+from passes.sizes import size_literal as _size_text
+from passes._compat import FakeCopyMode, FakeTensor, FakeTensorMode, mark_dynamic, pytree
 
 DEFAULT_POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "budget:fit")
 BUDGET_AT_THE_CAP = "budget:fit"
@@ -64,10 +65,10 @@ def parse_memory(memory: int | str) -> int:
     """Bytes from a positive int or a size like "24GiB", "80GB", "512MiB" (GiB = 2**30, GB = 10**9)."""
     if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
         return memory
-    size = policy_forms.parse_size(memory) if isinstance(memory, str) else None
+    size = parse_size(memory) if isinstance(memory, str) else None
     if size is None:
         raise ValueError(f"memory: expected a positive size such as '24GiB', '80GB' or 512000000 (bytes), "
-                         f"got {memory!r}; units: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)")
+                         f"got {memory!r}; units: {UNITS_SHOWN}")
     return size
 
 
@@ -306,14 +307,6 @@ def with_lora(model: torch.nn.Module, *, r: int, alpha: int | None = None) -> to
         raise ValueError(f"--lora: peft could not add adapters to {type(model).__name__}: {error}") from None
 
 
-def _size_text(n: int) -> str:
-    """A readable size no larger than n bytes (at least 1 byte), e.g. '38.1MiB'."""
-    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{int(n / scale * 100) / 100:g}{unit}"
-    return f"{max(n, 1)}B"
-
-
 def _count(n: int) -> str:
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
@@ -339,15 +332,13 @@ def _meta_to_fake(model: torch.nn.Module, mode) -> torch.nn.Module:
     and dtypes, in place (shared parameters stay shared). CPU, so that CPU autocast applies."""
     swapped: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                if id(p) not in swapped:
-                    swapped[id(p)] = torch.nn.Parameter(_fake(mode, p.detach()), requires_grad=p.requires_grad)
-                module._parameters[name] = swapped[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                swapped.setdefault(id(b), _fake(mode, b))
-                module._buffers[name] = swapped[id(b)]
+        for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(p) not in swapped:
+                swapped[id(p)] = torch.nn.Parameter(_fake(mode, p.detach()), requires_grad=p.requires_grad)
+            setattr(module, name, swapped[id(p)])
+        for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            swapped.setdefault(id(b), _fake(mode, b))
+            setattr(module, name, swapped[id(b)])  # a buffer stays a buffer, persistent or not
     return model
 
 

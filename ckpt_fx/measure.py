@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from passes._compat import memory_events
+
 
 def peak_bytes(fn: Callable[[], object], *, device: str | torch.device = "cpu") -> int:
     """Run fn once and return the peak of tensor bytes allocated above what was live before it.
@@ -36,11 +38,9 @@ def peak_bytes(fn: Callable[[], object], *, device: str | torch.device = "cpu") 
     finally:
         with _quiet_stderr():
             prof.stop()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
     running = peak = 0
-    for event in events:
-        running += event.nbytes()
+    for nbytes in memory_events(prof):
+        running += nbytes
         peak = max(peak, running)
     return peak
 

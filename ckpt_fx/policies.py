@@ -16,17 +16,14 @@ anything outside the stacks of repeated blocks are never recomputed by these pol
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Callable, Hashable, Sequence
 
-from passes import NodeInfo, Policy
 from passes._compat import CheckpointPolicy
-from passes.budget import BudgetSpec
-from passes.pipeline import uses_blocks
+from passes.policy import BudgetSpec, NamedPolicy, NodeInfo, Policy, matches_path, uses_blocks
+from passes.regions import Block, RegionKind
+from passes.sizes import UNITS, parse_size
 from passes.solve import NODE_LIMIT
-from passes.select import NamedPolicy
-from passes.regions import Block
 
 __all__ = ["CheckpointPolicy", "NodeInfo", "Policy", "blocks", "budget", "graph", "none", "selective", "only_in", "parse", "segments", "sqrt"]
 
@@ -68,7 +65,7 @@ def _units(unit_of: Callable[[Block], Hashable | None]) -> Callable[[NodeInfo], 
     """A policy that recomputes the insides of every unit for which unit_of returns a key."""
 
     def policy(info: NodeInfo) -> CheckpointPolicy:
-        if info.region != "block" or info.block is None:
+        if info.region != RegionKind.BLOCK or info.block is None:
             return SAVE
         unit = unit_of(info.block)
         if unit is None:
@@ -154,7 +151,7 @@ def graph() -> Policy:
     """
 
     def policy(info: NodeInfo) -> CheckpointPolicy:
-        return SAVE if info.region == "embedding" else RECOMPUTE
+        return SAVE if info.region == RegionKind.EMBEDDING else RECOMPUTE
 
     return _named(policy, "graph()", uses_blocks=False)
 
@@ -202,12 +199,10 @@ def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_fir
     def kept(info: NodeInfo) -> bool:
         source = info.producer or info.op
         packet = source.rsplit(".", 1)[0] if source.count(".") >= 2 else source
-        if packet in ops:
-            return True
-        return any(fnmatch.fnmatchcase(info.module_path, p) or fnmatch.fnmatchcase(info.module_path, p + ".*") for p in patterns)
+        return packet in ops or matches_path(info.module_path, patterns)
 
     def policy(info: NodeInfo) -> CheckpointPolicy:
-        if info.region != "block" or info.block is None or _skipped(info.block, skip_first):
+        if info.region != RegionKind.BLOCK or info.block is None or _skipped(info.block, skip_first):
             return SAVE
         for user in info.user_blocks:
             if user is None or user != info.block:
@@ -218,47 +213,36 @@ def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_fir
     return _named(policy, f"selective(save=({shown}), skip_first={skip_first})")
 
 
-_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30,
-          "tb": 10**12, "tib": 2**40}
-
-
-def parse_size(text: str) -> int | None:
-    """Bytes from a size like "2GiB", "512MB", "24 GiB" (units: _UNITS; GiB = 2**30, GB = 10**9);
-    None if `text` is not a positive size with a unit."""
-    text = text.strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        return None
-    return int(value * _UNITS[unit]) if unit in _UNITS and value > 0 else None
-
-
 def _budget_value(limit: float | str) -> tuple[float | None, int | None]:
     """(fraction, None) or (None, bytes) from 0.3, "0.3", "2GiB", "512MB"."""
     if isinstance(limit, bool):
         raise ValueError(f"budget: limit must be a fraction in (0, 1] or a size like '2GiB', got {limit!r}")
-    if isinstance(limit, (int, float)):
+    if isinstance(limit, str):
+        number = _number(limit)
+        if number is not None:
+            return _budget_value(number)
+        size = parse_size(limit)
+        if size is not None:
+            return None, size
+    elif isinstance(limit, (int, float)):
         if not 0 < limit <= 1:
             raise ValueError(
                 f"budget: a fraction must lie in (0, 1] (of the activation memory without checkpointing), "
                 f"got {limit!r}; for an absolute size write e.g. '2GiB'"
             )
         return float(limit), None
-    if isinstance(limit, str):
-        try:
-            return _budget_value(float(limit))
-        except ValueError as error:
-            if "must lie in" in str(error):
-                raise
-        size = parse_size(limit)
-        if size is not None:
-            return None, size
     raise ValueError(
         f"budget: cannot read {limit!r}; write a fraction in (0, 1] like 0.3, or a size like '2GiB', "
-        f"'512MB' (units: {', '.join(_UNITS)})"
+        f"'512MB' (units: {', '.join(UNITS)})"
     )
+
+
+def _number(text: str) -> float | None:
+    """The number a string holds ("0.3", "1e-1"), or None when it holds something else."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 COSTS = ("roofline", "measured")
@@ -310,11 +294,8 @@ def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
             f"such as 'blocks' or 'selective'; valid forms: {', '.join(FORMS)}"
         )
 
-    def matches(path: str) -> bool:
-        return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*") for p in patterns)
-
     def combined(info: NodeInfo) -> CheckpointPolicy:
-        return inner(info) if matches(info.module_path) else SAVE
+        return inner(info) if matches_path(info.module_path, patterns) else SAVE
 
     return _named(combined, f"only_in({list(patterns)!r}, {policy_name(inner)})",
                   uses_blocks=uses_blocks(inner), patterns=patterns)  # only_in(graph): no block warning

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from ckpt_fx import policies
-from ckpt_fx.backend import CkptBackend, Options
+from ckpt_fx.dynamo_backend import CkptBackend, Options
 from passes import Plan
-from passes._compat import aot_module_simplified, boxed_nop, pytree
+from passes._compat import aot_module_simplified, boxed_nop, pytree, pytree_info
 
 
 class RewrittenGraphModule(torch.fx.GraphModule):
@@ -48,7 +48,7 @@ def _flat_output_module(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     result = graph.graph_copy(gm.graph, env)
-    info = getattr(gm.graph._codegen, "pytree_info", None)
+    info = pytree_info(gm)
     if info is not None and info.out_spec is not None:
         # torch.export's modules unflatten their flat outputs in generated code.
         result = pytree.tree_unflatten(list(result), info.out_spec)
@@ -74,8 +74,10 @@ def rewrite_graph(
     if not isinstance(gm, torch.fx.GraphModule):
         raise ValueError(f"rewrite_graph takes a torch.fx.GraphModule, got {type(gm).__name__}; "
                          "use torch.fx.symbolic_trace(model) or torch.export.export(model, args).module()")
-    options = Options(policy=policies.parse(policy), strict=strict)
-    info = getattr(gm.graph._codegen, "pytree_info", None)
+    # The graphs run eagerly under autograd: planned for the eager inner compiler (AOTAutograd's
+    # default partition), not for Inductor's min-cut.
+    options = Options(policy=policies.parse(policy), strict=strict, compiler="eager")
+    info = pytree_info(gm)
     if info is not None and info.in_spec is not None:
         flat_inputs = pytree.tree_flatten((tuple(example_inputs), {}))[1]
         if info.in_spec != flat_inputs:

@@ -9,7 +9,7 @@ import torch
 
 import ckpt_fx
 from ckpt_fx import CheckpointPolicy, policies
-from ckpt_fx.models import build
+from ckpt_fx.bench.models import build
 
 
 def keep_matmuls(info: ckpt_fx.NodeInfo) -> CheckpointPolicy:

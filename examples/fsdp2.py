@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import ckpt_fx
-from ckpt_fx.models import build
+from ckpt_fx.bench.models import build
 
 if "RANK" not in os.environ:  # plain python: a group of one
     with socket.socket() as s:

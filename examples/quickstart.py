@@ -8,7 +8,7 @@ import copy
 import torch
 
 import ckpt_fx
-from ckpt_fx.models import build
+from ckpt_fx.bench.models import build
 
 torch.manual_seed(0)
 model = build("llama", layers=6, dim=128, heads=4).train()

@@ -1,6 +1,6 @@
-"""Every private torch import of the project lives here (supported: torch 2.11 to 2.13).
-
-When torch moves one of these, this is the only file to change.
+"""Every private torch import of the project lives here, as thin shims (supported: torch 2.11 to
+2.13); Inductor's memory model, which reads Inductor's internals deeply, lives in
+passes/inductor_memory.py. When torch moves one of these, these two files are the ones to change.
 """
 
 from __future__ import annotations
@@ -26,33 +26,79 @@ except ImportError:  # torch 2.11
     _hint = None
 
 __all__ = [
-    "CheckpointPolicy",
-    "HigherOrderOperator",
-    "OpOverload",
-    "pytree",
     "activation_memory_budget",
     "aot_autograd",
     "aot_module_simplified",
     "boxed_nop",
-    "without_joint_cse",
+    "cache_hash",
+    "CheckpointPolicy",
     "default_partition",
-    "min_cut_partition",
+    "dynamo_recompile_limit",
+    "FakeCopyMode",
+    "FakeTensor",
+    "FakeTensorMode",
+    "has_inductor_partitioner_hook",
+    "HigherOrderOperator",
+    "inductor_random_as_eager",
+    "inductor_with_partitioner",
     "is_fusible",
+    "is_impure_not_random",
     "is_primal",
     "is_tangent",
-    "size_hint",
-    "cache_hash",
-    "inductor_random_as_eager",
-    "inductor_schedule",
+    "memory_events",
+    "op_schema",
+    "op_short_name",
     "mark_dynamic",
+    "min_cut_partition",
     "no_fx_graph_cache",
-    "dynamo_recompile_limit",
+    "OpOverload",
+    "outside_fake_mode",
     "own_backend",
     "per_block_checkpointing",
+    "pytree",
+    "pytree_info",
+    "RECOMPUTE_KEY",
+    "size_at",
+    "size_hint",
+    "symbols_of",
+    "without_joint_cse",
 ]
 
 # The meta key torch's partitioners read for per-node recompute decisions.
 RECOMPUTE_KEY = "recompute"
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """An aten op's schema (its arguments, returns, whether it mutates)."""
+    return op._schema
+
+
+def op_short_name(op: OpOverload) -> str:
+    """An op's name without namespace and overload: "native_layer_norm"."""
+    return op._opname
+
+
+def pytree_info(gm: torch.fx.GraphModule) -> Any:
+    """How a graph module (one from torch.export) flattens its inputs and unflattens its outputs
+    (in_spec, out_spec), or None for a graph that takes and returns plain values."""
+    return getattr(gm.graph._codegen, "pytree_info", None)
+
+
+def memory_events(prof: Any) -> list[int]:
+    """The sizes of a finished CPU profile's memory events ([memory]: + allocated, - freed), in
+    the order they happened."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    return [e.nbytes() for e in events]
+
+
+def outside_fake_mode():
+    """A context in which tensors are real even while AOTAutograd traces or partitions with fake
+    tensors (its fake mode is active when it calls a partitioner): for timing ops, or sending
+    real values to other ranks."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 def is_tangent(node: torch.fx.Node) -> bool:
@@ -173,183 +219,6 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None) -
             return compile_fx(gm, example_inputs)
 
     return compile_with_partitioner
-
-
-def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> tuple[
-        int, list[tuple[int, int | None, int]], dict[str, int | None]]:
-    """How Inductor will run a partitioned graph and hold its memory, from its own lowering and
-    scheduler (what it fuses, the order it picks) and its code generator's rules for buffers (what
-    it writes in place, which freed buffer it hands to a later one); nothing is compiled.
-
-    Returns (steps, storages, input_end): each storage the graph allocates as (step that allocates
-    it, last step it lives through or None when the graph returns it, bytes): a buffer written into
-    another's storage, or given a freed one, lengthens that one's life instead of allocating; and
-    for each graph input read, the last step it lives through (a donated input whose storage a
-    buffer takes over lives as long as that buffer; None when the graph returns it). Raises where
-    this torch's Inductor cannot be asked; the caller falls back (Note [Inductor's own schedule]
-    in passes/memory.py). `donated`: the backward's placeholders (by position) holding saved values
-    it may reuse, as AOTAutograd computes them once the partition is made (functorch's
-    donated_buffer). `gm` is lowered as it is: pass a copy."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-    from torch._guards import detect_fake_mode
-    from torch._inductor import memory as inductor_memory
-    from torch._inductor.codegen.wrapper import buffer_reuse_key, can_match_buffer_size
-    from torch._inductor.debug import DebugContext
-    from torch._inductor.graph import GraphLowering
-    from torch._inductor.scheduler import BaseSchedulerNode, Scheduler, SchedulerNode
-    from torch._inductor.utils import get_dtype_size
-    from torch._inductor.virtualized import V
-    from torch.utils._ordered_set import OrderedSet
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    fake = detect_fake_mode(inputs)
-    if fake is None:
-        raise RuntimeError("the graph's inputs carry no fake tensors to lower it with")
-    # Lower and schedule only: no autotuning benchmarks, no debug folders.
-    quiet = {"trace.enabled": False, "max_autotune": False, "max_autotune_gemm": False, "benchmark_fusion": False}
-    with _disable_current_modes(), inductor_config.patch(quiet), V.set_fake_mode(fake), DebugContext():
-        graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake.shape_env, is_backward=is_backward)
-        if is_backward:  # read from the tracing context, which holds another graph's at partition time
-            graph.bw_donated_idxs = list(donated) if functorch_config.donated_buffer else []
-        with V.set_graph_handler(graph):
-            graph.run(*inputs)
-            scheduler = Scheduler(graph.operations)
-            nodes = scheduler.nodes
-            graph_inputs = OrderedSet(graph.graph_inputs.keys())
-            graph_outputs = OrderedSet(graph.get_output_names())
-            # Sizes of the final (fused, ordered) nodes' buffers, as Inductor's own peak-memory
-            # pass computes them (it may be switched off), and its estimate of each step's memory,
-            # which the code generator lets no reused buffer exceed.
-            _, freeable = inductor_memory.prepare_planning_info(
-                nodes, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
-            overall, by_step = inductor_memory.estimate_peak_memory(nodes, freeable, graph_outputs)
-            by_step = list(by_step)
-            in_place = _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode,
-                                 can_match_buffer_size)
-            donated_inputs = set(scheduler.name_to_donated_buffer)
-
-            def nbytes(buf) -> int:
-                sizevars = V.graph.sizevars
-                hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint  # renamed in torch 2.13
-                size = hint(V.graph.get_allocation_storage_size(buf.node), fallback=0)
-                return int(size) * get_dtype_size(buf.node.get_dtype())
-
-            storages: list[list[int | None]] = []  # [first step, last step, bytes]
-            owner: dict[str, int | str] = {}  # buffer -> its storage (an index, or a donated input's name)
-            input_end: dict[str, int | None] = {}
-            pool: dict[object, list[tuple[int, str]]] = {}  # freed buffers a later one of its size may take
-
-            def end(name: str, step: int | None) -> None:
-                """`name`'s storage lives through `step` at least (None: to the graph's end)."""
-                where = owner.get(name, name)
-                ends = storages[where] if isinstance(where, int) else None
-                last = ends[1] if ends is not None else input_end.get(where, -1)
-                last = None if step is None or last is None else max(last, step)
-                if ends is not None:
-                    ends[1] = last
-                else:
-                    input_end[where] = last
-
-            # The code generator's order of events (Scheduler._codegen): on a CPU, consecutive
-            # generated kernels run as one group called before the next extern kernel, so a group's
-            # buffers are all allocated before it runs and what its kernels last read is freed
-            # after it; elsewhere each kernel frees what it last read. Frees go in name order.
-            pending: list[str] = []
-            taken: set[str] = set()  # buffers whose storage a later one was written into
-            group: int | None = None  # the step a CPU group of kernels starts at
-
-            def release(at: int) -> None:
-                nonlocal group
-                for name in sorted(set(pending)):
-                    if name in graph_outputs:
-                        continue
-                    end(name, at)
-                    if name in taken:
-                        continue  # a later buffer was written into its storage: not free
-                    source = scheduler.name_to_buf.get(name) if name in owner else scheduler.name_to_donated_buffer.get(name)
-                    if (source is not None and source.node is not None and source.node.should_allocate()
-                            and name not in graph.removed_buffers):
-                        pool.setdefault(buffer_reuse_key(source.node), []).append((at, name))
-                pending.clear()
-                group = None
-
-            for step, node in enumerate(nodes):
-                extern = node.is_extern()
-                device = node.get_device()
-                on_cpu = device is not None and device.type == "cpu"
-                if extern and step > 0:
-                    release(step - 1)
-                if on_cpu and not extern and group is None:
-                    group = step
-                for buf in node.get_outputs():
-                    name = buf.get_name()
-                    if name in in_place:
-                        owner[name] = owner.get(in_place[name], in_place[name])
-                        taken.add(in_place[name])
-                        continue
-                    if not buf.mpi_buffer.size_alloc:
-                        continue  # an alias, a mutation, or fused away: no storage of its own
-                    key = buffer_reuse_key(buf.node) if buf.node.should_allocate() else None
-                    freed = pool.get(key) if key is not None and inductor_config.allow_buffer_reuse else None
-                    if freed:
-                        free_step, old = freed.pop()
-                        size = nbytes(buf)
-                        if free_step + 1 == step or size + max(by_step[free_step + 1:step], default=0) <= overall:
-                            for t in range(free_step + 1, step):
-                                by_step[t] += size
-                            owner[name] = owner.get(old, old)
-                            continue
-                        freed.append((free_step, old))
-                    owner[name] = len(storages)
-                    first = group if on_cpu and not extern else step
-                    storages.append([first, step, int(buf.mpi_buffer.size_alloc)])
-                pending.extend(node.last_usage)
-                if extern or not on_cpu:
-                    release(step)
-            release(len(nodes) - 1)
-            # A buffer read through an alias lives as long as Inductor's own timeline says.
-            infos, _, _ = inductor_memory.compute_memory_timeline(nodes, {}, graph_outputs)
-            for info in infos:
-                if info.buffer.get_name() in owner:
-                    end(info.buffer.get_name(), None if info.end_step == -1 else info.end_step)
-            for name in graph_outputs:
-                if name in owner or name in graph_inputs:
-                    end(name, None)
-            return len(nodes), [tuple(s) for s in storages], input_end
-
-
-def _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode, can_match_buffer_size) -> dict[str, str]:
-    """What Inductor's code generator writes in place (Scheduler.decide_inplace_update, decided
-    there as kernels are generated): a generated kernel's output into a buffer or a donated input
-    it is the last reader of, read at the index it writes, of the same dtype and size. {output
-    buffer: the buffer or input whose storage it takes}."""
-    readable = {**scheduler.name_to_buf, **scheduler.name_to_donated_buffer}
-    step_of = {sub: step for step, node in enumerate(nodes) for sub in node.get_nodes()}
-    in_place: dict[str, str] = {}
-    for step, node in enumerate(nodes):
-        for sub in node.get_nodes():
-            if not isinstance(sub, SchedulerNode):
-                continue
-            for out in sub.get_outputs():
-                name = out.get_name()
-                if (name in graph.removed_buffers or not out.node.should_allocate()
-                        or out.node.get_inputs_that_alias_output() or out.node.get_mutation_names()):
-                    continue
-                for read in sub.read_writes.reads:
-                    source = readable.get(read.name)
-                    if source is None or read.name in in_place.values() or read.name in graph_outputs:
-                        continue
-                    users = [u for u in source.users if isinstance(u.node, BaseSchedulerNode)]
-                    later = [u for u in users if step_of.get(u.node, -1) >= step and u.node.get_name() not in sub.ancestors]
-                    accesses = {d for u in users if step_of.get(u.node) == step
-                                for d in u.node.read_writes.reads_and_writes() if d.name == read.name}
-                    if (len(later) == 1 and later[0].can_inplace and later[0].node is sub and len(accesses) <= 1
-                            and source.node is not None and can_match_buffer_size(source.node, out.node)):
-                        in_place[name] = read.name
-                        break
-    return in_place
 
 
 def inductor_random_as_eager(on: bool = True):

@@ -1,7 +1,7 @@
-"""budget: turn a joint graph into a recompute Problem (passes.solve) and a solution back into
-recompute decisions; choose among the candidates by their predicted peaks. The pipeline asks the
-memory-budget policy for its candidates (Candidates) and a Chooser picks one
-(passes.pipeline._choose); the choice is recorded in the graph's Plan (Plan.budget).
+"""budget: a memory budget's plan for a joint graph. The graph as a recompute Problem
+(passes.solve; build_problem) and a solution back into recompute decisions; the candidate plans a
+budget offers (Candidates); the search that plans them and a Chooser that judges them by their
+predicted peaks (choose). The choice is recorded in the graph's Plan (Plan.budget).
 
 Values: the forward call nodes. A view cannot be saved on its own (saving it keeps its base
 alive): it is recomputed from its base, for free. A tuple-valued node is read through its getitems,
@@ -21,30 +21,46 @@ block, and the blocks are independent parts for the solver (Note [Independent pa
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from passes._compat import CheckpointPolicy, pytree, size_hint
-from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
-from passes.memory import Estimate
-from passes.regions import REGION_KEY, forward_nodes
-from passes.solve import NODE_LIMIT, Problem, Solution, save_all, solve
+from passes._compat import CheckpointPolicy, activation_memory_budget
+from passes.costs import agreed_costs, graph_device, is_multi_output, is_view, measured_costs, recompute_cost, roofline_cost, BYTES_KEY
+from passes.memory import JointLiveness
+from passes.plan import Choice, Estimate, Planned, Source
+from passes.planner import Joint, plan_policy
+from passes.policy import BudgetSpec
+from passes.regions import REGION_KEY, RegionKind, forward_nodes
+from passes.select import Reason
+from passes.sizes import format_size, size_literal
+from passes.solve import FRONT_SOLVES, Infeasible, Problem, Solution, pareto_front, parts_pay_off, save_all, smallest_budget, solve
+from passes.warn import warn_user
 
-# Note [Roofline cost]
-# The recompute cost of a node is its time on a roofline: max(FLOPs / peak FLOP/s, bytes moved /
-# bandwidth), bytes moved being its inputs' and output's sizes. Only ratios between nodes matter to
-# the solver, so the constants need to be right in proportion, not exactly: they put matmuls
-# (compute-bound) and pointwise ops (memory-bound) on one scale.
-ROOFLINES = {  # device type: (FLOP/s, bytes/s)
-    "cpu": (2e11, 2e10),
-    "cuda": (4e14, 3e12),
-}
-_OVERHEAD_S = 1e-6  # per op: launching anything costs something
+# Note [Peak-aware budget]
+# The saved bytes a solver bounds are not the peak: recomputation rebuilds values that then live
+# until their backward. So budget() plans a fixed set of candidates (the solver's plans at fixed
+# fractions of the no-recompute saved bytes, then the plan that saves least), predicts each one's
+# step peak and picks the cheapest whose peak fits the limit. Under the default partition every
+# candidate's peak comes from the joint graph (JointLiveness), most saved first until one fits.
+# Under min-cut a peak needs the candidate partitioned and Inductor's schedule of it (seconds for
+# a large graph), so the cheapest fitting one is found by bisection over the candidates, whose
+# peaks fall as they save less (a bisection over peaks that do not fall may pick a costlier plan
+# that fits, never one that does not); torch's own plan at the same budget takes part (Note
+# [Torch's knob as a candidate]). The candidates do not depend on the limit, so a lower limit picks
+# either the same plan (it still fits and is still the cheapest) or one whose peak is below the
+# new limit, hence below the old pick's: the predicted peak never rises as the limit falls. (With
+# torch's plan taking part that holds for ours: torch's knob is not monotone, and where its plan at
+# a higher budget is leaner than our limit at a lower one, the higher budget keeps less.)
+
+
+# Saved-bytes fractions of the no-recompute plan at which a budget offers solver plans; fixed, so
+# that every budget chooses from the same candidates (Note [Peak-aware budget]). Under min-cut the
+# candidates are searched by bisection, a few planned however many there are, so the grid is finer.
+BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
+PLANNED_GRID = tuple(round(0.85**k, 4) for k in range(29))  # 1.0 down to 0.009
 
 
 @dataclass(frozen=True)
@@ -57,116 +73,41 @@ class Graph:
     """Values crossing a block's edge (Note [Block boundaries under a budget])."""
 
 
-def roofline_cost(node: torch.fx.Node, device: str, *, fused: bool = False) -> float:
-    """Note [Roofline cost]; `fused`: the inner compiler fuses pointwise ops into their consumers
-    (Inductor), so recomputing one costs reading its inputs once more: no launch, no output written."""
-    flops_s, bytes_s = ROOFLINES.get(device, ROOFLINES["cuda"])
-    if is_view(node) or node.target is operator.getitem:
-        return 0.0
-    reads = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
-    if fused and is_pointwise(node):
-        return reads / bytes_s
-    moved = reads + tensor_bytes(node.meta.get("val"))
-    return _OVERHEAD_S + max(node.meta.get(FLOPS_KEY, 0) / flops_s, moved / bytes_s)
-
-
-def is_pointwise(node: torch.fx.Node) -> bool:
-    """An elementwise aten op (torch's `pointwise` tag): what Inductor fuses into its consumer."""
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.pointwise in tags
-
-
-def measured_costs(device: str) -> Callable[[torch.fx.Node], float]:
-    """A cost per node from timing it: the op run on random tensors of its arguments' shapes and
-    dtypes (integers as zeros, so indices stay in range), best of three after a warm-up. Ops alike
-    in target, shapes and arguments are timed once. A node that cannot be run this way (an op
-    needing particular values) gets its roofline cost."""
-    import time
-
-    seen: dict[tuple, float] = {}
-
-    def real(value: object) -> object:
-        if isinstance(value, torch.fx.Node):
-            value = value.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            shape = tuple(size_hint(d) for d in value.shape)
-            if value.dtype.is_floating_point or value.dtype.is_complex:
-                return torch.randn(shape, dtype=value.dtype, device=device)
-            return torch.zeros(shape, dtype=value.dtype, device=device)
-        if isinstance(value, torch.SymInt):
-            return size_hint(value)
-        return value
-
-    def describe(value: object) -> object:
-        value = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(size_hint(d) for d in value.shape), value.dtype)
-        return repr(value)
-
-    def cost(node: torch.fx.Node) -> float:
-        if is_view(node) or node.target is operator.getitem or node.op != "call_function":
-            return 0.0
-        key = (str(node.target), tuple(map(describe, node.args)), tuple((k, describe(v)) for k, v in node.kwargs.items()))
-        if key not in seen:
-            try:
-                args = pytree.tree_map(real, node.args)
-                kwargs = pytree.tree_map(real, node.kwargs)
-                times = []
-                with torch.no_grad():
-                    for _ in range(4):
-                        start = time.perf_counter()
-                        node.target(*args, **kwargs)
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        times.append(time.perf_counter() - start)
-                seen[key] = min(times[1:])
-            except Exception:  # noqa: BLE001 - an op that needs particular values: the roofline
-                seen[key] = roofline_cost(node, device)
-        return seen[key]
-
-    return cost
-
-
-def graph_device(gm: torch.fx.GraphModule) -> str:
-    for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return value.device.type
-    return "cpu"
-
-
 def build_problem(
     gm: torch.fx.GraphModule,
     *,
-    hard_rules: dict[str, str],
-    cost: Callable[[torch.fx.Node], float] | None = None,
+    hard_rules: dict[str, Reason],
+    costs: str = "roofline",
     fused: bool = False,
 ) -> Graph:
-    """The recompute Problem of a joint graph whose nodes carry regions and costs; `fused` prices
-    pointwise ops as fused into their consumers (roofline_cost) when no `cost` is given."""
+    """The recompute Problem of a joint graph whose nodes carry regions and costs. `costs`:
+    "roofline" (Note [Roofline cost] in passes/costs.py; `fused` prices the ops Inductor fuses as
+    their extra reads) or "measured" (each op timed; rank 0's timings under a process group)."""
     device = graph_device(gm)
-    cost = cost or (lambda n: roofline_cost(n, device, fused=fused))
+    cost = measured_costs(device) if costs == "measured" else (lambda n: roofline_cost(n, device, fused=fused))
     fwd = forward_nodes(gm.graph)
     fwd_set = set(fwd)
     nodes = tuple(n for n in fwd if n.op == "call_function")
     index = {n: i for i, n in enumerate(nodes)}
-    names, nbytes, costs, inputs, needed, saveable, recomputable = [], [], [], [], [], [], []
+    names, nbytes, prices, inputs, needed, saveable, recomputable = [], [], [], [], [], [], []
     for node in nodes:
         names.append(node.name)
         view_or_tuple = is_view(node) or is_multi_output(node) or isinstance(node.meta.get("val"), (tuple, list))
         nbytes.append(0 if view_or_tuple else node.meta.get(BYTES_KEY, 0))
-        costs.append(cost(node))
+        prices.append(cost(node))
         inputs.append(tuple(sorted({index[a] for a in node.all_input_nodes if a in index})))
         needed.append(any(u not in fwd_set and u.op != "output" for u in node.users))
         saveable.append(not view_or_tuple)
         region = node.meta.get(REGION_KEY)
-        recomputable.append(node.name not in hard_rules and not (region is not None and region.kind == "embedding"))
+        recomputable.append(node.name not in hard_rules and not (region is not None and region.kind == RegionKind.EMBEDDING))
     edges = _boundaries(nodes, index, saveable)
     for i in edges:
         recomputable[i] = False
         needed[i] = True  # always saved: the blocks are then independent parts
+    if costs == "measured":  # timings differ between ranks, plans must not
+        prices = agreed_costs(tuple(names), tuple(prices))
     problem = Problem(
-        names=tuple(names), nbytes=tuple(nbytes), cost=tuple(costs), inputs=tuple(inputs),
+        names=tuple(names), nbytes=tuple(nbytes), cost=tuple(prices), inputs=tuple(inputs),
         needed=tuple(needed), saveable=tuple(saveable), recomputable=tuple(recomputable),
     )
     return Graph(problem=problem, nodes=nodes, boundaries=frozenset(edges))
@@ -174,7 +115,7 @@ def build_problem(
 
 def _block_of(node: torch.fx.Node) -> object | None:
     region = node.meta.get(REGION_KEY)
-    return region.block if region is not None and region.kind == "block" else None
+    return region.block if region is not None and region.kind == RegionKind.BLOCK else None
 
 
 def _boundaries(nodes: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int], saveable: list[bool]) -> set[int]:
@@ -221,75 +162,6 @@ def decisions(graph: Graph, solution: Solution, *, fused: bool = False) -> dict[
     return out
 
 
-# Note [Peak-aware budget]
-# The saved bytes a solver bounds are not the peak: recomputation rebuilds values that then live
-# until their backward. So budget() plans a fixed set of candidates (the solver's plans at fixed
-# fractions of the no-recompute saved bytes, then the plan that saves least), predicts each one's
-# step peak and picks the cheapest whose peak fits the limit. Under the default partition every
-# candidate's peak comes from the joint graph (JointLiveness), most saved first until one fits.
-# Under min-cut a peak needs the candidate partitioned and Inductor's schedule of it (seconds for
-# a large graph), so the cheapest fitting one is found by bisection over the candidates, whose
-# peaks fall as they save less (a bisection over peaks that do not fall may pick a costlier plan
-# that fits, never one that does not); torch's own plan at the same budget takes part (Note
-# [Torch's knob as a candidate]). The candidates do not depend on the limit, so a lower limit picks
-# either the same plan (it still fits and is still the cheapest) or one whose peak is below the
-# new limit, hence below the old pick's: the predicted peak never rises as the limit falls. (With
-# torch's plan taking part that holds for ours: torch's knob is not monotone, and where its plan at
-# a higher budget is leaner than our limit at a lower one, the higher budget keeps less.)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What budget() chose for one graph."""
-
-    limit_bytes: int
-    baseline_peak: int
-    smallest_peak: int
-    peak: int
-    cost: float
-    solver: str
-    candidates: int
-    reached: float | None = None
-    """When no plan fit: the budget (as a fraction) the chosen, lowest plan reaches."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class BudgetSpec:
-    """A memory budget (ckpt_fx.policies.budget): not a per-node policy but a problem the pipeline
-    solves over the whole graph (passes.pipeline._choose), its choice recorded in the Plan."""
-
-    spec: str
-    fraction: float | None
-    """The limit as a fraction of the activation memory without checkpointing, or None."""
-    nbytes: int | None
-    """The limit as bytes of the step's predicted peak, or None."""
-    shown: str
-    """The limit as written, for messages."""
-    solver: str = "auto"
-    node_limit: int = NODE_LIMIT
-    costs: str = "roofline"
-    uses_blocks: bool = False
-
-    def __call__(self, info) -> CheckpointPolicy:
-        raise RuntimeError(f"{self.spec} decides over the whole graph: the pipeline solves it, not per node")
-
-    def __repr__(self) -> str:
-        return self.spec
-
-    def candidates(self, gm: torch.fx.GraphModule, hard_rules: dict[str, str], *, fused: bool) -> Candidates:
-        return Candidates(gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=self.solver,
-                          node_limit=self.node_limit, costs=self.costs, fused=fused)
-
-    def chooser(self) -> Chooser:
-        return Chooser(fraction=self.fraction, nbytes=self.nbytes, shown=self.shown)
-
-
-# Saved-bytes fractions of the no-recompute plan at which a budget offers solver plans; fixed, so
-# that every budget chooses from the same candidates (Note [Peak-aware budget]). Under min-cut the
-# candidates are searched by bisection, a few planned however many there are, so the grid is finer.
-BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
-PLANNED_GRID = tuple(round(0.85**k, 4) for k in range(29))  # 1.0 down to 0.009
-
 
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
@@ -312,12 +184,9 @@ class Candidates:
     "measured" (measured_costs); `fused`: planned for the min-cut partition under Inductor (fused
     pointwise costs, decisions(fused=True))."""
 
-    def __init__(self, gm: torch.fx.GraphModule, *, hard_rules: dict[str, str], grid: tuple[float, ...], solver: str,
+    def __init__(self, gm: torch.fx.GraphModule, *, hard_rules: dict[str, Reason], grid: tuple[float, ...], solver: str,
                  node_limit: int, costs: str = "roofline", fused: bool = False):
-        from passes.solve import FRONT_SOLVES, pareto_front, parts_pay_off
-
-        cost = measured_costs(graph_device(gm)) if costs == "measured" else None
-        self.graph = build_problem(gm, hard_rules=hard_rules, cost=cost, fused=fused)
+        self.graph = build_problem(gm, hard_rules=hard_rules, costs=costs, fused=fused)
         self.grid, self.solver, self.node_limit, self.fused = grid, solver, node_limit, fused
         self.base = baseline_bytes(self.graph.problem)
         self._made: dict[int, Candidate] = {}
@@ -339,8 +208,6 @@ class Candidates:
     def __getitem__(self, i: int) -> Candidate:
         """The plan at the grid's i-th fraction (the last: the plan that saves least); a fraction
         below what any plan reaches gives the plan that saves least."""
-        from passes.solve import Infeasible, smallest_budget
-
         if i not in self._made:
             problem = self.graph.problem
             least = i >= len(self.grid)
@@ -371,11 +238,12 @@ class Candidates:
                 yield candidate
 
 
-def recompute_cost(gm: torch.fx.GraphModule, names: tuple[str, ...] | list[str], *, fused: bool) -> float:
-    """Roofline cost (Note [Roofline cost]) of recomputing the named forward nodes of a joint graph."""
-    device = graph_device(gm)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    return sum(roofline_cost(by_name[n], device, fused=fused) for n in names if n in by_name)
+    @classmethod
+    def of(cls, spec: BudgetSpec, gm: torch.fx.GraphModule, hard_rules: dict[str, Reason], *, fused: bool) -> Candidates:
+        """The candidates a budget offers for a joint graph: on the finer grid under min-cut, whose
+        candidates are searched by bisection (Note [Peak-aware budget])."""
+        return cls(gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=spec.solver,
+                   node_limit=spec.node_limit, costs=spec.costs, fused=fused)
 
 
 NOTHING_TO_LOWER = 0.01
@@ -384,63 +252,233 @@ to recompute that lowers it: a budget leaves it as it is, without a warning."""
 
 
 class Chooser:
-    """Judges planned candidates against the limit (Note [Peak-aware budget]): the first planned
-    (no recompute) sets the baseline and the limit; `ceiling`, when set, is a peak no chosen plan
-    may exceed besides the limit (torch's own plan's under Inductor)."""
+    """Judges candidate plans against a budget's limit (Note [Peak-aware budget]). `base` is the
+    plan that recomputes nothing: the limit counts from it. `ceiling`, when given, is a peak no
+    chosen plan may exceed besides the limit (torch's own plan's under Inductor)."""
 
-    def __init__(self, *, fraction: float | None, nbytes: int | None, shown: str):
-        self.fraction, self.nbytes, self.shown = fraction, nbytes, shown
-        self.base: Estimate | None = None
-        self.limit = 0
+    def __init__(self, spec: BudgetSpec, *, base: Estimate, ceiling: int | None = None):
+        self.spec, self.base, self.ceiling = spec, base, ceiling
+        floor = base.gradient_bytes
+        span = max(base.peak_bytes - floor, 1)
+        self.limit = int(floor + spec.fraction * span) if spec.fraction is not None else int(spec.nbytes or 0)
         self.peaks: list[int] = []
-        self.ceiling: int | None = None
+
+    def with_ceiling(self, ceiling: int) -> Chooser:
+        """The same judge with a ceiling, and the peaks judged so far."""
+        judge = Chooser(self.spec, base=self.base, ceiling=ceiling)
+        judge.peaks = list(self.peaks)
+        return judge
 
     def fits(self, plan: Estimate) -> bool:
-        """Whether a plan's predicted peak fits the limit and the ceiling; the first plan judged
-        is the baseline the limit counts from."""
-        if self.base is None:
-            self.base = plan
-            floor = plan.gradient_bytes
-            span = max(plan.peak_bytes - floor, 1)
-            self.limit = int(floor + self.fraction * span) if self.fraction is not None else int(self.nbytes or 0)
+        """Whether a plan's predicted peak fits the limit and the ceiling; counts it as judged."""
         self.peaks.append(plan.peak_bytes)
         return plan.peak_bytes <= self.limit and (self.ceiling is None or plan.peak_bytes <= self.ceiling)
 
-    def choice(self, peak: int, *, cost: float, solver: str) -> Choice:
+    def choice(self, peak: int, *, cost: float, source: Source, solver: str | None = None,
+               reached: float | None = None) -> Choice:
         """The Choice recording a plan of this peak and recompute cost."""
         return Choice(
-            limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=min(self.peaks),
-            peak=peak, cost=cost, solver=solver, candidates=len(self.peaks),
+            limit_bytes=self.limit, baseline_peak=self.base.peak_bytes, smallest_peak=min(self.peaks, default=self.base.peak_bytes),
+            peak=peak, cost=cost, source=source, solver=solver if source == Source.SOLVER else None,
+            candidates=len(self.peaks), reached=reached,
         )
 
-    def accept(self, plan: Estimate, candidate) -> Choice | None:
-        """The Choice for a candidate whose plan fits, else None."""
-        if not self.fits(plan):
-            return None
-        return self.choice(plan.peak_bytes, cost=candidate.solution.cost, solver=candidate.solution.solver)
+    def nothing_to_lower(self) -> bool:
+        """No plan judged lowers the peak by more than NOTHING_TO_LOWER of what it could (a graph
+        with nothing to recompute, such as a loss after a graph break; predicted peaks of plans that
+        differ in a few small recomputes differ by bytes)."""
+        return self.reached() >= 1 - NOTHING_TO_LOWER
 
-    def reject(self, first_cost: float, first_solver: str, lowest_peak: int, lowest_cost: float,
-               lowest_solver: str) -> tuple[Choice, Exception | None]:
-        """No plan fitted. When none lowers the peak by more than NOTHING_TO_LOWER of what it
-        could (a graph with nothing to recompute, such as a loss after a graph break; predicted
-        peaks of plans that differ in a few small recomputes differ by bytes): the first (no
-        recompute), no error. Else the plan with the lowest predicted peak, and the Infeasible
-        error naming the budget it reaches: raised under strict, a warning otherwise (as torch's
-        budget knob, the compile goes on with the lowest plan)."""
-        from passes.solve import Infeasible
-
-        smallest = min(self.peaks)
+    def reached(self) -> float:
+        """The lowest peak judged, as a fraction of the span from the gradients to the baseline."""
         floor = self.base.gradient_bytes
-        span = max(self.base.peak_bytes - floor, 1)
-        least = (smallest - floor) / span
-        if least >= 1 - NOTHING_TO_LOWER:
-            return self.choice(self.base.peak_bytes, cost=first_cost, solver=first_solver), None
-        error = Infeasible(
+        return (min(self.peaks, default=self.base.peak_bytes) - floor) / max(self.base.peak_bytes - floor, 1)
+
+    def infeasible(self) -> Infeasible:
+        """The error naming the budget the lowest plan reaches: raised under strict, a warning
+        otherwise (as torch's budget knob, the compile goes on with the lowest plan)."""
+        smallest, least = min(self.peaks), self.reached()
+        return Infeasible(
             self.limit,
             smallest,
-            f"budget {self.shown} is infeasible for this graph: it allows a peak of {self.limit / 2**20:.2f} MiB, "
-            f"the lowest any plan reaches is {smallest / 2**20:.2f} MiB (budget {least:.3f} as a fraction, "
-            f"or '{smallest / 2**20:.1f}MiB')",
+            f"budget {self.spec.shown} is infeasible for this graph: it allows a peak of {format_size(self.limit)}, "
+            f"the lowest any plan reaches is {format_size(smallest)} (budget {least:.3f} as a fraction, "
+            f"or '{size_literal(smallest, up=True)}')",
+            reached=least,
         )
-        choice = dataclasses.replace(self.choice(lowest_peak, cost=lowest_cost, solver=lowest_solver), reached=least)
-        return choice, error
+
+
+def choose(joint: Joint, spec: BudgetSpec, *, hard_rules: dict[str, Reason], strict: bool) -> tuple[Planned, Choice]:
+    """A memory budget's plan of a joint graph and the choice that made it. A budget offers
+    several candidate plans and picks one by their predicted peaks (Note [Peak-aware budget]):
+    under the default partition by walking the joint graph (_by_walk), under min-cut by planning
+    them (_by_planning). When none fits: the lowest, with a warning naming the budget it reaches
+    (an Infeasible error under strict); when none lowers the peak at all, the graph as it is."""
+    search = _by_planning if joint.partitioner == "min_cut" else _by_walk
+    planned, choice, error = search(joint, spec, hard_rules)
+    if error is not None:
+        if strict:
+            raise error
+        warn_user(f"ckpt_fx: {error}; planned the lowest")
+    return planned, choice
+
+
+def _by_walk(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) -> tuple[Planned, Choice, Infeasible | None]:
+    """Under the default partition: each candidate's peak predicted from the joint graph (Note
+    [Peak from the joint graph] in passes/memory.py), most saved first, until one fits; only that
+    one is partitioned. The first candidate saves every value: the baseline the limit counts from."""
+    steps, gm = joint.steps, joint.gm
+    liveness = steps.run("memory", lambda: JointLiveness(
+        gm, num_fwd_outputs=joint.num_fwd_outputs, static_input_indices=joint.static_lifetime_input_indices))
+    offered = iter(steps.run("solve", lambda: Candidates.of(spec, gm, hard_rules, fused=False)))
+    chooser: Chooser | None = None
+    first = lowest = None
+    lowest_peak = 0
+    while (candidate := steps.run("solve", lambda: next(offered, None))) is not None:
+        estimate = steps.run("memory", lambda: liveness.estimate(candidate.recomputed))
+        if chooser is None:
+            first, chooser = candidate, Chooser(spec, base=estimate)
+        if lowest is None or estimate.peak_bytes < lowest_peak:
+            lowest, lowest_peak = candidate, estimate.peak_bytes
+        if chooser.fits(estimate):
+            choice = chooser.choice(estimate.peak_bytes, cost=candidate.solution.cost, source=Source.SOLVER,
+                                    solver=candidate.solution.solver)
+            return plan_policy(joint, candidate), choice, None
+    if chooser.nothing_to_lower():
+        choice = chooser.choice(chooser.base.peak_bytes, cost=first.solution.cost, source=Source.SOLVER,
+                                solver=first.solution.solver)
+        return plan_policy(joint, first), choice, None
+    error = chooser.infeasible()
+    choice = chooser.choice(lowest_peak, cost=lowest.solution.cost, source=Source.SOLVER, solver=lowest.solution.solver,
+                            reached=error.reached)
+    return plan_policy(joint, lowest), choice, error
+
+
+def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) -> tuple[Planned, Choice, Infeasible | None]:
+    """Under min-cut, which adds recomputes of its own, a candidate's peak is known only once it is
+    partitioned (the memory pass reads it from Inductor's schedule), so few are: Inductor's own
+    partition (the baseline the limit counts from), torch's plan at the same budget (Note [Torch's
+    knob as a candidate]), then the cheapest of ours that fits, found by bisection (the candidates
+    save less and less: their peaks fall along them). The cheaper of ours and torch's is chosen,
+    torch's only when it fits the limit."""
+    steps, gm = joint.steps, joint.gm
+
+    def cost(planned: Planned) -> float:
+        return recompute_cost(gm, planned.prediction.recomputed, fused=True)
+
+    base = plan_policy(joint, _leave_open)  # what Inductor alone does: nothing recomputed by us
+    chooser = Chooser(spec, base=base.prediction.estimate())
+    found: Planned | None = base if chooser.fits(base.prediction.estimate()) else None
+    torch_plan = knob = None
+    if spec.fraction is not None:
+        with activation_memory_budget(spec.fraction):
+            torch_plan = plan_policy(joint, _leave_open)
+        if chooser.fits(torch_plan.prediction.estimate()):  # else over the limit: not a choice, and no ceiling on ours
+            knob = torch_plan
+            chooser = chooser.with_ceiling(knob.prediction.peak_bytes)
+            if found is not None and base.prediction.peak_bytes > chooser.ceiling:
+                found = None
+    offered = steps.run("solve", lambda: Candidates.of(spec, gm, hard_rules, fused=True))
+    planned: dict[tuple, tuple[Planned, str]] = {}  # each distinct plan partitioned once, with its solver
+
+    def plan(i: int) -> Planned:
+        candidate = steps.run("solve", lambda: offered[i])
+        if not candidate.recomputed:
+            return base
+        key = (candidate.solution.saved, candidate.solution.recomputed)
+        if key not in planned:
+            planned[key] = (plan_policy(joint, candidate), candidate.solution.solver)
+        return planned[key][0]
+
+    verdicts: dict[int, bool] = {}  # by plan, judged once: Choice.candidates counts distinct plans
+
+    def fits(i: int) -> bool:
+        planned_i = plan(i)
+        if id(planned_i) not in verdicts:
+            verdicts[id(planned_i)] = chooser.fits(planned_i.prediction.estimate())
+        return verdicts[id(planned_i)]
+
+    if found is None:
+        lowest = _lowest_from_the_end(len(offered), plan)
+        if fits(lowest):
+            low, high = -1, lowest  # offered[high] fits; offered[low] does not (or is none)
+            while high - low > 1:
+                middle = (low + high) // 2
+                if fits(middle):
+                    high = middle
+                else:
+                    low = middle
+            found = plan(high)
+    solvers = {id(p): name for p, name in planned.values()}
+    if knob is not None and (found is None or cost(knob) < cost(found)):
+        found = knob
+    if found is not None:
+        return found, _choice_of(chooser, found, cost(found), knob=knob, solvers=solvers), None
+    # Nothing fits: the lowest plan, with the budget it reaches; or, when no plan lowers this
+    # graph's peak at all (nothing in it to recompute), the graph as it is.
+    tried = [p for p, _ in planned.values()] + ([torch_plan] if torch_plan is not None else [])
+    lowest_plan = min(tried, key=lambda p: p.prediction.peak_bytes, default=base)
+    if chooser.nothing_to_lower():
+        return base, chooser.choice(base.prediction.peak_bytes, cost=0.0, source=Source.UNCHANGED), None
+    error = chooser.infeasible()
+    choice = _choice_of(chooser, lowest_plan, cost(lowest_plan), knob=torch_plan, solvers=solvers, reached=error.reached)
+    return lowest_plan, choice, error
+
+
+def _choice_of(chooser: Chooser, planned: Planned, cost: float, *, knob: Planned | None, solvers: dict[int, str],
+               reached: float | None = None) -> Choice:
+    """The Choice of a plan the min-cut search picked: torch's, a solver's, or Inductor's own."""
+    if planned is knob:
+        source, solver = Source.TORCH_KNOB, None
+    elif id(planned) in solvers:
+        source, solver = Source.SOLVER, solvers[id(planned)]
+    else:
+        source, solver = Source.UNCHANGED, None
+    return chooser.choice(planned.prediction.peak_bytes, cost=cost, source=source, solver=solver, reached=reached)
+
+
+def _lowest_from_the_end(count: int, plan: Callable[[int], Planned]) -> int:
+    """The candidate of lowest predicted peak, looked for from the one that saves least towards
+    those that save more while the peak does not rise by more than PLATEAU (past the lowest, a
+    plan that saves less can peak higher: it rebuilds more at once), at most LOWEST_SEARCH distinct
+    plans; returns its position (of those as low, the one that saves most: the cheapest)."""
+
+    def peak(i: int) -> int:
+        return plan(i).prediction.peak_bytes
+
+    best = count - 1
+    tried, i = 1, best - 1
+    while i >= 0 and tried < LOWEST_SEARCH:
+        if plan(i) is not plan(best):  # else the same plan at another grid point
+            tried += 1
+            if peak(i) > (1 + PLATEAU) * peak(best):
+                break
+            if peak(i) <= peak(best):
+                best = i
+        i -= 1
+    return best
+
+
+LOWEST_SEARCH = 6
+"""Distinct plans _lowest_from_the_end partitions at most, each costing a partition and
+Inductor's schedule."""
+PLATEAU = 0.01
+
+
+def _leave_open(info) -> CheckpointPolicy:
+    """Every decision left to the partitioner (torch's own plan)."""
+    return CheckpointPolicy.PREFER_SAVE
+
+
+# Note [Torch's knob as a candidate]
+# Under Inductor, torch's activation_memory_budget=x plans with the min-cut partitioner too, by
+# its own rules (a knapsack over the ops min-cut would not recompute), and our hard rules still
+# hold in it (random ops, mutations are tagged MUST_SAVE before min-cut sees them). budget:x plans
+# torch's plan at the same x; when its predicted peak fits our limit, that peak is a ceiling for
+# ours, and torch's plan is itself a choice: the cheaper (recompute cost, Note [Roofline cost], of
+# what each partition recomputes) of it and our cheapest candidate under the ceiling is used
+# (Choice.source == Source.TORCH_KNOB when torch's). So budget:x keeps no more than torch's knob
+# at x where that fits x's limit, and costs no more by our cost model. This needs the peaks
+# predicted as Inductor runs the plans (Note [Inductor's own schedule]): predicted by the walk's
+# own guess of fusion, torch's aggressive pointwise recompute looks far leaner than it is, and was
+# chosen over plans that measured lower.

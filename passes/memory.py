@@ -1,33 +1,20 @@
-"""memory: walk the partitioned forward then backward (passes.liveness); predict saved bytes and
-peak; make the Plan (passes.plan)."""
+"""memory: walk the partitioned forward then backward (passes.liveness), or ask Inductor for its
+schedule of them (passes.inductor_memory); predict saved bytes and peaks (a Prediction)."""
 
 from __future__ import annotations
 
-import copy
 import functools
-import logging
 import operator
-import types
-from dataclasses import dataclass
 
 import torch
 
-from passes._compat import (
-    OpOverload,
-    inductor_schedule,
-    is_fusible,
-    is_primal,
-    is_tangent,
-    size_at,
-    size_hint,
-    symbols_of,
-)
-from passes.costs import is_view, node_flops, tensor_bytes
+from passes._compat import OpOverload, is_primal, is_tangent, op_short_name, size_at, size_hint, symbols_of
+from passes.costs import fuses, is_view, node_flops, tensor_bytes
+from passes.graphs import snapshot
+from passes.inductor_memory import scheduled_peaks
 from passes.liveness import just_in_time, walk
-from passes.plan import BlockPlan, Plan, SavedTensor
+from passes.plan import BlockPlan, Estimate, PeakModel, Prediction, SavedTensor
 from passes.regions import PATH_KEY, REGION_KEY
-
-log = logging.getLogger("ckpt_fx")
 
 # Note [What the predicted peak counts]
 # Bytes allocated during one training step above what was live before it: forward temporaries,
@@ -39,6 +26,21 @@ log = logging.getLogger("ckpt_fx")
 # holds the logits); a caller that drops them early peaks a little lower than predicted. Only
 # parameter gradients outlive the step: an activation's gradient returned by a later graph is
 # the incoming gradient of the earlier one. The measured peak (ckpt_fx.measure) counts the same.
+
+
+def view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node a view reads its storage from (its first argument); None for a node that is no view."""
+    if is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return None
+
+
+def storage_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that allocated the storage a value lives in: itself, or for a view (of a view...)
+    the base it reads. Views count zero bytes and keep their base alive."""
+    while (base := view_base(node)) is not None:
+        node = base
+    return node
 
 
 def _walk(
@@ -59,8 +61,8 @@ def _walk(
     nodes = list(graph.nodes)
     for node in nodes:
         if node not in key_of:
-            base = node.args[0] if is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node) else None
-            key_of[node] = key_of.get(base, base) if base is not None else node
+            root = storage_of(node)
+            key_of[node] = key_of.get(root, root)
     end = next((i for i, n in enumerate(nodes) if n.op == "output"), len(nodes))
     held = {key_of[a] for a in nodes[end].all_input_nodes} if end < len(nodes) else set()  # returned: kept
 
@@ -77,7 +79,7 @@ def fused_away(node: torch.fx.Node) -> bool:
     """Under Inductor: a fusible op (torch's partitioner's list: pointwise ops and reductions) whose
     every consumer, looking through views, is fusible too is computed inside its consumers' kernel
     and never stored (Note [Predicting a fused graph])."""
-    if not is_fusible(node):
+    if not fuses(node):
         return False
     stack = list(node.users)
     while stack:
@@ -86,7 +88,7 @@ def fused_away(node: torch.fx.Node) -> bool:
             return False  # a graph output: stored
         if is_view(user):
             stack.extend(user.users)
-        elif not is_fusible(user):
+        elif not fuses(user):
             return False
     return True
 
@@ -94,86 +96,9 @@ def fused_away(node: torch.fx.Node) -> bool:
 # Note [Predicting a fused graph]
 # The walk allocates every op's output; Inductor does not store what it fuses. Without knowing its
 # scheduler's choices, the memory pass takes torch's min-cut partitioner's own view (the one it
-# partitions by): a fusible op feeding only fusible ops is not materialized. Measured on GPT-2
-# 12x256 (CPU): the prediction under Inductor is then within 15% of the measured peak for every
-# policy (tests/test_inductor.py), where counting every output overshot by 30% or more.
-
-
-# Note [Inductor's own schedule]
-# fused_away is min-cut's view of fusion, not Inductor's: Inductor's lowering inlines some
-# pointwise ops into each consumer and stores others (CPU: a reused exp or tanh), its scheduler
-# fuses by its own rules, moves kernels (a fused recompute runs where its earliest member stood)
-# and reuses buffers in place. Where a plan recomputes much, the walk's guess fell far short:
-# GPT-2 4x256, batch 8x256, CPU: torch's knob at 0.3 measured 197.9 MB, the walk predicted 119.8;
-# every block checkpointed 97.7 MB, predicted 68.6. So under Inductor the memory pass asks
-# Inductor itself (_compat.inductor_schedule: its lowering and scheduler, no code generated) for
-# each graph's storages and the steps that allocate them and that they live through, by the code
-# generator's rules: a kernel writing in place into a buffer it last reads; a freed buffer handed
-# to a later one of the same size while Inductor's own estimate of the peak allows it (so a
-# freed buffer can stay allocated long after its last read); on a CPU, a run of generated kernels
-# allocating together and freeing after the run. This pass's accounting goes on top (inputs count
-# zero, saved values and incoming gradients live from the backward's start until Inductor is done
-# with their storage, outputs held). Measured on the same model: 0.99x to 1.07x of the measured
-# peak for every plan above (the caller dropping the logits early is most of the rest); with
-# min-cut's CSE on (which shares recomputed values, so frees come later and reuse differs), the
-# builtin GPT's blocks plan measured 36.2 MB, predicted 35.0. It costs Inductor's lowering and
-# scheduling once more per plan (about 10 s for GPT-2 12x256 on a 2-core CPU), so the budget
-# asks it for few candidates (Note [Peak-aware budget]). Where Inductor cannot be asked (another
-# torch, an op it cannot lower here) the walk's fused guess stands, and Plan.peak_model says so.
-
-
-def _scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry: dict[object, int],
-                     key_of: dict[torch.fx.Node, object], pinned: set[object]) -> tuple[int, int] | None:
-    """(forward peak, backward peak) from Inductor's schedules of the two graphs (Note
-    [Inductor's own schedule]), or None when Inductor could not be asked. `entry` is what is live
-    as the backward starts (saved values, incoming gradients, held outputs), by storage key;
-    `key_of` maps the backward's placeholders to those keys; `pinned` keys are never freed."""
-    # Saved values no output shares a storage with: AOTAutograd lets Inductor reuse them.
-    out_keys = {key_of.get(a) for a in next(n for n in reversed(bw.graph.nodes) if n.op == "output").all_input_nodes}
-    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    donated = tuple(i for i, n in enumerate(placeholders)
-                    if isinstance(key_of.get(n), torch.fx.Node) and key_of[n] is not n  # from the forward
-                    and key_of[n] in entry and key_of[n] not in pinned and key_of[n] not in out_keys)
-    try:
-        forward = inductor_schedule(copy_graph_module(fw), is_backward=False)
-        backward = inductor_schedule(copy_graph_module(bw), is_backward=True, donated=donated)
-    except Exception as error:  # noqa: BLE001 - any failure: the walk's own prediction stands
-        log.info("ckpt_fx: Inductor's schedule unavailable (%s: %s); the memory pass predicts fusion itself",
-                 type(error).__name__, error)
-        return None
-    # Entry storage -> the last step it lives through (None: to the end; -1: not read at all).
-    freed: dict[object, int | None] = {key: None for key in entry if key in pinned}
-    for node in bw.graph.nodes:
-        key = key_of.get(node)
-        if node.op != "placeholder" or key not in entry or key in pinned:
-            continue
-        end = backward[2].get(node.name, -1)
-        last = freed.get(key, -1)
-        freed[key] = None if end is None or last is None else max(last, end)
-    return _schedule_peak(forward, entry={}, freed={}), _schedule_peak(backward, entry=entry, freed=freed)
-
-
-def _schedule_peak(schedule: tuple[int, list[tuple[int, int | None, int]], dict[str, int | None]], *,
-                   entry: dict[object, int], freed: dict[object, int | None]) -> int:
-    """The peak of live bytes over a schedule (Note [Inductor's own schedule]): each storage from
-    the step that allocates it through the last it lives through (None: to the end), on top of
-    `entry` (bytes live at the start by storage key, each freed after the step `freed` names: None
-    never, -1 at once, as is one not named)."""
-    steps, storages, _ = schedule
-    delta = [0] * (steps + 2)
-    for first, last, nbytes in storages:
-        delta[first] += nbytes
-        if last is not None:
-            delta[last + 1] -= nbytes
-    for key, nbytes in entry.items():
-        last = freed.get(key, -1)
-        if last is not None:
-            delta[last + 1] -= nbytes
-    live = peak = sum(entry.values())
-    for change in delta:
-        live += change
-        peak = max(peak, live)
-    return peak
+# partitions by): a fusible op feeding only fusible ops is not materialized; counting every
+# output overshoots a fused graph's peak far. It stands where Inductor's own schedule cannot be
+# asked (Note [Inductor's own schedule]).
 
 
 def memory_pass(
@@ -181,16 +106,14 @@ def memory_pass(
     bw: torch.fx.GraphModule,
     *,
     num_fwd_outputs: int,
-    policy: str,
     forward_names: set[str],
-    hard_rules: dict[str, str] | None = None,
-    top_level_units: bool = False,
     block_paths: tuple[str, ...] = (),
     static_input_indices: list[int] | None = None,
     sizes: dict[str, int] | None = None,
     fused: bool = False,
-) -> Plan:
-    """Walk the forward then the backward (Note [What the predicted peak counts]); return the Plan.
+) -> Prediction:
+    """Walk the forward then the backward (Note [What the predicted peak counts]); return what
+    they save and recompute and the peaks they reach.
 
     `fused`: the graphs run under Inductor (Note [Predicting a fused graph]).
     `block_paths` lists the units in forward order; the Plan reports each of them in that order.
@@ -209,8 +132,7 @@ def memory_pass(
     fw_live: dict[object, int] = {}
     fw_peak = _walk(fw.graph, live=fw_live, key_of=key_of, pinned=set(), sizes=sizes, fused=fused)
 
-    out_node = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
-    outputs = [a for a in out_node.args[0] if isinstance(a, torch.fx.Node)]
+    outputs = [a for a in fw.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
     user_outputs, saved_nodes = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
     by_name = {n.name: n for n in fw.graph.nodes}
 
@@ -256,13 +178,13 @@ def memory_pass(
             bw_live.pop(key)  # forward values nobody holds any more
     bw_entry = dict(bw_live)
     bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned, sizes=sizes, fused=fused)
-    peak_model = "walk"
+    peak_model = PeakModel.WALK
     if fused and not sizes:  # at the sizes the graphs were traced with: Inductor can be asked
-        scheduled = _scheduled_peaks(fw, bw, entry=bw_entry, key_of=bw_key, pinned=pinned)
+        scheduled = scheduled_peaks(fw, bw, entry=bw_entry, key_of=bw_key, pinned=pinned)
         if scheduled is not None:
             fw_peak, bw_peak = scheduled
-            peak_model = "inductor"
-    bw_out = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
+            peak_model = PeakModel.INDUCTOR
+    bw_out = bw.graph.output_node()
     # Gradients of parameters (static inputs) outlive the step; gradients of activations that
     # came from an earlier graph become that graph's incoming gradients and are counted there.
     keep = set(static_input_indices) if static_input_indices is not None else None
@@ -291,9 +213,8 @@ def memory_pass(
     recomputed_set = set(recomputed)
     step_flops = sum(node_flops(n) for g in (fw.graph, bw.graph) for n in g.nodes
                      if n.op == "call_function" and n not in recomputed_set)
-    return Plan(
+    return Prediction(
         held_outputs=_held_outputs(user_outputs, checkpointed, sizes),
-        policy=policy,
         saved=tuple(saved),
         recomputed=tuple(n.name for n in recomputed),
         blocks=tuple(
@@ -308,16 +229,16 @@ def memory_pass(
         forward_end_bytes=forward_end,
         gradient_bytes=sum(grads.values()),
         step_flops=step_flops,
-        hard_rules=dict(hard_rules or {}),
-        top_level_units=top_level_units,
         symbols=symbols,
-        _at=functools.partial(
-            memory_pass, _snapshot(fw), _snapshot(bw), num_fwd_outputs=num_fwd_outputs, policy=policy, forward_names=forward_names,
-            hard_rules=hard_rules, top_level_units=top_level_units, block_paths=block_paths,
-            static_input_indices=static_input_indices, fused=fused,
-        ) if symbols else None,
+        at=functools.partial(_predict_at, snapshot(fw), snapshot(bw), num_fwd_outputs=num_fwd_outputs,
+                             forward_names=forward_names, block_paths=block_paths,
+                             static_input_indices=static_input_indices, fused=fused) if symbols else None,
     )
 
+
+def _predict_at(fw, bw, sizes: dict[str, int], **kwargs) -> Prediction:
+    """memory_pass at other symbolic sizes (Prediction.at, Plan.at)."""
+    return memory_pass(fw, bw, sizes=sizes, **kwargs)
 
 
 def _held_outputs(outputs: list[torch.fx.Node], checkpointed: set[str], sizes: dict[str, int] | None) -> tuple[tuple[str, int], ...]:
@@ -325,9 +246,7 @@ def _held_outputs(outputs: list[torch.fx.Node], checkpointed: set[str], sizes: d
     and values returned as a KV cache), not the unit's own result: one entry per storage."""
     held: dict[torch.fx.Node, tuple[str, int]] = {}
     for node in outputs:
-        base = node
-        while is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
-            base = base.args[0]
+        base = storage_of(node)
         region = base.meta.get(REGION_KEY)
         if region is None or region.block is None or region.block.name not in checkpointed or base in held:
             continue
@@ -335,25 +254,6 @@ def _held_outputs(outputs: list[torch.fx.Node], checkpointed: set[str], sizes: d
         if inside and any(not is_view(u) or u not in outputs for u in inside):
             held[base] = (base.meta.get(PATH_KEY, region.block.path), tensor_bytes(base.meta.get("val"), sizes))
     return tuple(held.values())
-
-
-def _snapshot(gm: torch.fx.GraphModule) -> types.SimpleNamespace:
-    """A copy of a graph's nodes (names and meta kept) that later passes of torch cannot change,
-    for Plan.at to walk again."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return types.SimpleNamespace(graph=graph)
-
-
-def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of a graph module's graph (node names kept, each node's meta copied one level deep),
-    to plan again after passes have changed the original."""
-    graph = torch.fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    graph.output(output).meta = copy.copy(old_output.meta)
-    return torch.fx.GraphModule(gm, graph)
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -366,7 +266,7 @@ def op_name(node: torch.fx.Node) -> str:
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if target is operator.getitem and first is not None:
         return f"{op_name(first)}[{node.args[1]}]"
-    name = target._opname if isinstance(target, OpOverload) else getattr(target, "__name__", str(target))
+    name = op_short_name(target) if isinstance(target, OpOverload) else getattr(target, "__name__", str(target))
     if first is not None and (name in ("detach", "alias") or (name in ("gt", "lt", "ge", "le") and op_name(first) == "inductor_random")):
         return f"{name}({op_name(first)})"  # an alias, or a mask drawn from Inductor's random numbers
     return name
@@ -380,14 +280,6 @@ def op_name(node: torch.fx.Node) -> str:
 # made (Note [Just-in-time recompute]); every storage is freed after its last use (Note [What the
 # predicted peak counts]). It predicts the same peak as memory_pass on the partitioned graphs
 # (tested); only the chosen candidate is then partitioned.
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A candidate's predicted step peak, made from the joint graph."""
-
-    peak_bytes: int
-    gradient_bytes: int
 
 
 class JointLiveness:
@@ -409,8 +301,8 @@ class JointLiveness:
         self.nbytes = [0] * len(nodes)
         self.entry = {}  # backward-entry bytes: incoming gradients and other non-primal inputs
         for i, n in enumerate(nodes):
-            if is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node):
-                self.key[i] = self.key[index[n.args[0]]]
+            if storage_of(n) is not n:
+                self.key[i] = index[storage_of(n)]
             elif n.op == "call_function":
                 self.nbytes[i] = tensor_bytes(n.meta.get("val"))
             elif n.op == "placeholder" and (is_tangent(n) or not is_primal(n)):
@@ -419,8 +311,7 @@ class JointLiveness:
         self.getitems = [[index[u] for u in n.users if u.target is operator.getitem] for n in nodes]
         self.is_input = [n.op == "placeholder" for n in nodes]
         self.call = [n.op == "call_function" for n in nodes]
-        out = nodes[-1] if nodes and nodes[-1].op == "output" else next(n for n in reversed(nodes) if n.op == "output")
-        args = list(out.args[0])
+        args = list(joint.graph.output_node().args[0])
         self.fw_outputs = [index[a] for a in args[:num_fwd_outputs] if isinstance(a, torch.fx.Node)]
         keep = set(static_input_indices) if static_input_indices is not None else None
         grads = [(k, a) for k, a in enumerate(args[num_fwd_outputs:]) if isinstance(a, torch.fx.Node)]

@@ -76,13 +76,9 @@ def merges_joint(joint: torch.fx.GraphModule, *, partitioner: str, cse: bool | N
 # Note [CSE under recompute]
 # torch's min-cut partitioner first merges identical nodes of the joint graph (CSE), which ties
 # backward computations to forward nodes a policy marked for recompute; whether that helps depends
-# on the model. Measured on a CPU under Inductor (2026-12-01, torch 2.13): a 3-block GPT (width
-# 128, batch 4x256) checkpointing every block peaks at 36.2 MB with that CSE, 28.5 MB without;
-# GPT-2 6x384 (batch 2x512) at 95.8 MB with it, 98.6 MB without, and its `selective` plan at
-# 118.3 MB with it (as torch's op-level selective checkpointing, which keeps it) and 120.3 MB
-# without. The memory pass orders these pairs right (predicted 35.0 / 28.5, 98.2 / 101.0,
-# 119.3 / 121.3 MB), so a policy that recomputes is partitioned both ways and the plan of the
-# lower predicted peak is kept (Plan.joint_cse says which; pipeline._both_ways), without CSE first:
+# on the model: neither wins everywhere (the README's Known limits gives measured pairs), and the
+# memory pass orders such pairs right. So a policy that recomputes is partitioned both ways and
+# the plan of the lower predicted peak is kept (Plan.joint_cse says which; planner.plan_fixed), without CSE first:
 # min-cut's CSE replaces joint.graph. A plan without recomputes (`none`) keeps torch's setting and
 # stays exactly Inductor's own partition. A budget's candidates are planned after one with nothing
 # recomputed (and after torch's own plan), so they are partitioned, without CSE, from the graph

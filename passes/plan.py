@@ -1,9 +1,11 @@
-"""plan: what the passes decided for one compiled graph and the memory it is predicted to need;
-the record explain, fit, bench and the backend's warnings read."""
+"""plan: the records of what the passes decided for one compiled graph and the memory it is
+predicted to need. The memory pass predicts (Prediction), a budget chooses (Choice), and
+`assemble` makes the one Plan that explain, fit, bench and the backend's warnings read."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -11,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from passes.budget import Choice
     from passes.regions import Block
+    from passes.select import HardRule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +48,122 @@ class BlockPlan:
     """Bytes of the values it recomputes: what checkpointing it keeps out of the saved set."""
 
 
+class PeakModel(str, enum.Enum):
+    """How a plan's peaks were predicted."""
+
+    INDUCTOR = "inductor"
+    """From Inductor's own schedule of the graphs (Note [Inductor's own schedule] in
+    passes/inductor_memory.py)."""
+    WALK = "walk"
+    """By the memory pass's walk of the graphs (passes.liveness)."""
+
+
+class Source(str, enum.Enum):
+    """Where a budget's chosen plan came from."""
+
+    SOLVER = "solver"
+    """A solver's plan (Choice.solver names it)."""
+    UNCHANGED = "unchanged"
+    """Nothing recomputed by us: the graph as the partitioner plans it alone (Inductor's own plan
+    under min-cut)."""
+    TORCH_KNOB = "torch-knob"
+    """torch's own plan at the same budget (Note [Torch's knob as a candidate] in passes/budget.py)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """A candidate's predicted step peak: what a budget judges it by."""
+
+    peak_bytes: int
+    gradient_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """What a memory budget chose for one graph."""
+
+    limit_bytes: int
+    baseline_peak: int
+    """Predicted peak of the plan that recomputes nothing: what a fraction counts from."""
+    smallest_peak: int
+    """The lowest predicted peak among the plans judged."""
+    peak: int
+    cost: float
+    """Recompute cost of the chosen plan (Note [Roofline cost] in passes/costs.py)."""
+    source: Source
+    solver: str | None
+    """The solver whose plan was chosen, when source is Source.SOLVER."""
+    candidates: int
+    """Distinct plans judged."""
+    reached: float | None = None
+    """When no plan fit: the budget (as a fraction) the chosen, lowest plan reaches."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the memory pass predicts of one partitioned graph (Note [What the predicted peak
+    counts] in passes/memory.py); `at(sizes)` predicts it again with symbolic sizes set."""
+
+    saved: tuple[SavedTensor, ...]
+    recomputed: tuple[str, ...]
+    """Names of the forward nodes the backward recomputes, in backward order."""
+    blocks: tuple[BlockPlan, ...]
+    saved_bytes: int
+    """Bytes of saved activations (inputs and parameters excluded)."""
+    recompute_flops: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    peak_model: PeakModel = PeakModel.WALK
+    forward_end_bytes: int = 0
+    """Bytes the forward leaves allocated: saved activations and outputs."""
+    gradient_bytes: int = 0
+    """Bytes of the parameter gradients the backward returns (they outlive the step)."""
+    step_flops: int = 0
+    """FLOPs of the graph's forward and backward, recomputation excluded."""
+    held_outputs: tuple[tuple[str, int], ...] = ()
+    """(module path, bytes) of the values the graph returns from inside checkpointed units (a
+    KV cache): they stay alive from the forward to the backward whatever the policy."""
+    symbols: dict[str, int] = field(default_factory=dict)
+    """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
+    were made with."""
+    at: Callable[[dict[str, int]], Prediction] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    def estimate(self) -> Estimate:
+        return Estimate(peak_bytes=self.peak_bytes, gradient_bytes=self.gradient_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planned:
+    """One plan of a joint graph: the graphs handed back and what the memory pass predicts of them."""
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    prediction: Prediction
+    joint_cse: bool | None
+    """Under min-cut, whether it merged identical nodes of the joint graph first; None otherwise."""
+    recomputed_embedding_ops: int = 0
+    """Embedding ops the policy asked to recompute."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphFacts:
+    """What the regions pass found in a joint graph, recorded in its Plan."""
+
+    units: tuple[Block, ...] = ()
+    """The graph's units in forward order (passes.regions): path, stack, calls, heavy, ..."""
+    module_paths: tuple[str, ...] = ()
+    """Every module path the graph's nodes came from, sorted."""
+    top_level_units: bool = False
+    """No stack of repeated blocks: top-level children served as units."""
+
+
+_PREDICTED = tuple(f.name for f in dataclasses.fields(Prediction) if f.name != "at")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """What one compiled graph saves and recomputes, and the memory it is predicted to need."""
@@ -60,9 +178,8 @@ class Plan:
     recompute_flops: int
     forward_peak_bytes: int
     backward_peak_bytes: int
-    peak_model: str = "walk"
-    """How the peaks were predicted: "inductor" from Inductor's own schedule of the graphs (Note
-    [Inductor's own schedule] in passes/memory.py), "walk" by the memory pass's walk of them."""
+    peak_model: PeakModel = PeakModel.WALK
+    """How the peaks were predicted (PeakModel)."""
     joint_cse: bool | None = None
     """Under min-cut, whether it merged identical nodes of the joint graph first (Note [CSE under
     recompute] in passes/partition.py); None under the default partition."""
@@ -72,8 +189,8 @@ class Plan:
     """Bytes of the parameter gradients the backward returns (they outlive the step)."""
     step_flops: int = 0
     """FLOPs of the graph's forward and backward, recomputation excluded."""
-    hard_rules: dict[str, str] = field(default_factory=dict)
-    """Nodes no policy may recompute, with why (random, mutation, ...)."""
+    hard_rules: dict[str, HardRule] = field(default_factory=dict)
+    """Nodes no policy may recompute, with why (random, mutation, ...: equal to those strings)."""
     top_level_units: bool = False
     units: tuple[Block, ...] = ()
     """The graph's units in forward order (passes.regions): path, stack, calls, heavy, ..."""
@@ -83,15 +200,15 @@ class Plan:
     """Embedding ops the policy asked to recompute: it saves nothing (the embedding's output is
     the next unit's input, kept anyway)."""
     budget: Choice | None = None
-    """What a memory budget chose for this graph (the candidate's peak, the limit, the solver, the
-    budget it reaches when none fits); None for other policies."""
+    """What a memory budget chose for this graph (the candidate's peak, the limit, where the plan
+    came from, the budget it reaches when none fits); None for other policies."""
     held_outputs: tuple[tuple[str, int], ...] = ()
     """(module path, bytes) of the values the graph returns from inside checkpointed units (a
     KV cache): they stay alive from the forward to the backward whatever the policy."""
     symbols: dict[str, int] = field(default_factory=dict)
     """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
     were made with. `at(...)` gives the plan's figures at other sizes."""
-    _at: Callable[..., Plan] | None = field(default=None, compare=False, repr=False)
+    _at: Callable[[dict[str, int]], Prediction] | None = field(default=None, compare=False, repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -108,9 +225,27 @@ class Plan:
             raise ValueError(f"Plan.at: unknown size symbol(s) {unknown}; this plan's symbols: {valid}")
         if not sizes or self._at is None:
             return self
-        return dataclasses.replace(self._at(sizes={k: int(v) for k, v in sizes.items()}), budget=self.budget,
-                                   units=self.units, module_paths=self.module_paths,
-                                   recomputed_embedding_ops=self.recomputed_embedding_ops)
+        prediction = self._at({k: int(v) for k, v in sizes.items()})
+        return dataclasses.replace(self, **{name: getattr(prediction, name) for name in _PREDICTED})
+
+
+def assemble(planned: Planned, *, policy: str, facts: GraphFacts, hard_rules: dict[str, HardRule],
+             choice: Choice | None = None) -> Plan:
+    """The Plan of one compiled graph: the memory pass's prediction of the graphs handed back, what
+    the regions pass found, the hard rules, and a budget's choice. The only place a Plan is made."""
+    prediction = planned.prediction
+    return Plan(
+        policy=policy,
+        **{name: getattr(prediction, name) for name in _PREDICTED},
+        joint_cse=planned.joint_cse,
+        recomputed_embedding_ops=planned.recomputed_embedding_ops,
+        hard_rules=dict(hard_rules),
+        units=facts.units,
+        module_paths=facts.module_paths,
+        top_level_units=facts.top_level_units,
+        budget=choice,
+        _at=prediction.at,
+    )
 
 
 def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:

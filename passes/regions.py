@@ -5,6 +5,7 @@ A region is an embedding, block k of a stack of repeated blocks, or other. See N
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -92,14 +93,27 @@ class Block:
 HEAVY_RATIO = 2.0
 
 
+class RegionKind(str, enum.Enum):
+    """Where a forward node belongs; equal to its value as a string ("block" == RegionKind.BLOCK),
+    so a policy written against the strings keeps working."""
+
+    EMBEDDING = "embedding"
+    BLOCK = "block"
+    """Inside a unit (Block)."""
+    OTHER = "other"
+    """Outside every unit and not an embedding (a final norm, a head, a loss)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True, kw_only=True)
 class Region:
     """Where a forward node belongs."""
 
-    kind: str
-    """"embedding", "block" or "other"."""
+    kind: RegionKind
     block: Block | None = None
-    """The unit, when kind is "block"."""
+    """The unit, when kind is RegionKind.BLOCK."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,11 +305,11 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
         if node.op == "placeholder":
             continue
         if _touches_embedding(node, st):
-            region = Region(kind="embedding")
+            region = Region(kind=RegionKind.EMBEDDING)
         elif unit_of[node] is not None:
-            region = Region(kind="block", block=blocks[unit_of[node]])
+            region = Region(kind=RegionKind.BLOCK, block=blocks[unit_of[node]])
         else:
-            region = Region(kind="other")
+            region = Region(kind=RegionKind.OTHER)
         node.meta[REGION_KEY] = region
     return RegionMap(
         blocks=tuple(blocks[u] for u in order),

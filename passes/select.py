@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import enum
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from passes._compat import RECOMPUTE_KEY, CheckpointPolicy, HigherOrderOperator, OpOverload, is_impure_not_random, size_hint
+from passes._compat import (
+    RECOMPUTE_KEY,
+    CheckpointPolicy,
+    HigherOrderOperator,
+    OpOverload,
+    is_impure_not_random,
+    op_schema,
+    size_hint,
+)
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view
-from passes.regions import PATH_KEY, REGION_KEY, Block, Region, forward_nodes
+from passes.policy import NodeInfo, Policy
+from passes.regions import PATH_KEY, REGION_KEY, Region, RegionKind, forward_nodes
 
 REASON_KEY = "ckpt_fx.reason"
 
@@ -18,90 +27,73 @@ SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
 
-@dataclass(frozen=True, kw_only=True)
-class NodeInfo:
-    """What a policy sees of one forward node."""
+class HardRule(str, enum.Enum):
+    """Why a node must never be recomputed; no policy overrides these."""
 
-    name: str
-    """The node's name in the joint graph."""
-    op: str
-    """The operator, e.g. "aten.mm.default" or "getitem"."""
-    module_path: str
-    """Innermost module path, e.g. "transformer.h.3.mlp.c_fc" ("" at the top)."""
-    region: str
-    """"embedding", "block" or "other"."""
-    block: Block | None
-    """The unit the node belongs to, when region is "block"."""
-    user_blocks: tuple[Block | None, ...]
-    """For each forward consumer (graph outputs included): its unit, or None outside any unit."""
-    shape: tuple[int, ...] | None
-    """Output shape (size hints for symbolic sizes); None for non-tensors."""
-    dtype: torch.dtype | None
-    """Output dtype; None for non-tensors."""
-    nbytes: int
-    """Bytes the output allocates (0 for views)."""
-    flops: int
-    """FLOPs of computing it once."""
-    is_view: bool
-    """The output aliases an input."""
-    producer: str = ""
-    """The op that computed the value: `op` itself, or for a getitem the op of the tuple it reads."""
+    RANDOM = "random"
+    """It draws random numbers (a dropout mask): a second draw would differ."""
+    COLLECTIVE = "collective"
+    """It communicates with other ranks."""
+    MUTATION = "mutation"
+    """It writes into its inputs."""
+    EFFECTFUL = "effectful"
+    """It has effects torch orders with tokens."""
+    IMPURE = "impure"
+    """fx counts it as having side effects."""
+    MUTATION_SOURCE = "mutation source"
+    """Its value is copied into an input (BatchNorm's running statistics): it runs exactly once."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
-Policy = Callable[[NodeInfo], CheckpointPolicy]
+@dataclass(frozen=True)
+class Reason:
+    """Who decided a forward node (node.meta[REASON_KEY]): a hard rule, on the node itself or on
+    the tuple it is an element of, or the policy (rule None)."""
+
+    rule: HardRule | None = None
+    tuple_element: bool = False
+
+    def __str__(self) -> str:
+        if self.rule is None:
+            return "policy"
+        return f"{self.rule} (tuple element)" if self.tuple_element else str(self.rule)
 
 
-@dataclass(frozen=True, kw_only=True)
-class NamedPolicy:
-    """A per-node policy with a stable description: what the built-in policies are (any callable
-    (NodeInfo) -> CheckpointPolicy is a policy too)."""
-
-    decide: Policy
-    spec: str
-    """How it was written, e.g. "blocks(every=1, skip_first=1)": logs, plans, cache keys."""
-    uses_blocks: bool = True
-    """False for a policy that does not look at blocks (none, graph): a graph without them is no
-    cause for a warning."""
-    patterns: tuple[str, ...] = ()
-    """only_in's module-path patterns, checked against each graph's paths."""
-
-    def __call__(self, info: NodeInfo) -> CheckpointPolicy:
-        return self.decide(info)
-
-    def __repr__(self) -> str:
-        return self.spec
+BY_POLICY = Reason()
 
 
-def hard_rule(node: torch.fx.Node) -> str | None:
+def hard_rule(node: torch.fx.Node) -> HardRule | None:
     """Why a node must never be recomputed, or None. No policy overrides these."""
     target = node.target
     if node.op != "call_function":
         return None
     if isinstance(target, OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags and not _dropout_off(node, target):
-            return "random"
+            return HardRule.RANDOM
         if target.namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
-            return "collective"
-        if target._schema.is_mutable:
-            return "mutation"
+            return HardRule.COLLECTIVE
+        if op_schema(target).is_mutable:
+            return HardRule.MUTATION
     if isinstance(target, HigherOrderOperator) and target.name() in ("with_effects", "run_with_rng_state"):
-        return "effectful"
+        return HardRule.EFFECTFUL
     if is_impure_not_random(node):
-        return "impure"
+        return HardRule.IMPURE
     # The source of a mutation of an input (BatchNorm's running stats), or a tuple one element
     # of which is: the op runs exactly once, in the forward.
     outputs = [u for u in node.users if u.target is operator.getitem] or [node]
     for out in outputs:
         for user in out.users:
             if user.target is torch.ops.aten.copy_.default and user.args[1] is out:
-                return "mutation source"
+                return HardRule.MUTATION_SOURCE
     return None
 
 
 def _dropout_off(node: torch.fx.Node, target: OpOverload) -> bool:
     """True for an op tagged random only for its dropout (attention), called with dropout_p=0:
     it is deterministic then, and may be recomputed."""
-    for position, argument in enumerate(target._schema.arguments):
+    for position, argument in enumerate(op_schema(target).arguments):
         if argument.name == "dropout_p":
             if position < len(node.args):
                 value = node.args[position]
@@ -112,7 +104,7 @@ def _dropout_off(node: torch.fx.Node, target: OpOverload) -> bool:
 
 
 def _info(node: torch.fx.Node, fwd: set[torch.fx.Node]) -> NodeInfo:
-    region: Region = node.meta.get(REGION_KEY) or Region(kind="other")
+    region: Region = node.meta.get(REGION_KEY) or Region(kind=RegionKind.OTHER)
     users = []
     for user in node.users:
         if user.op == "output" or user in fwd:
@@ -137,29 +129,29 @@ def _info(node: torch.fx.Node, fwd: set[torch.fx.Node]) -> NodeInfo:
     )
 
 
-def hard_rules(gm: torch.fx.GraphModule) -> dict[str, str]:
+def hard_rules(gm: torch.fx.GraphModule) -> dict[str, Reason]:
     """{node name: why} for the forward call nodes that must never be recomputed (see hard_rule);
     a tuple element inherits its producer's rule."""
-    forced: dict[str, str] = {}
+    forced: dict[str, Reason] = {}
     for node in forward_nodes(gm.graph):
         if node.op != "call_function":
             continue
-        reason = hard_rule(node)
+        rule = hard_rule(node)
         parent = node.args[0] if node.target is operator.getitem else None
-        if reason is None and isinstance(parent, torch.fx.Node):
-            parent_reason = hard_rule(parent)
-            reason = f"{parent_reason} (tuple element)" if parent_reason else None
-        if reason is not None:
-            forced[node.name] = reason
+        if rule is not None:
+            forced[node.name] = Reason(rule)
+        elif isinstance(parent, torch.fx.Node) and (parent_rule := hard_rule(parent)) is not None:
+            forced[node.name] = Reason(parent_rule, tuple_element=True)
     return forced
 
 
-def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, str]:
+def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason]:
     """Write a CheckpointPolicy into node.meta["recompute"] of every forward call node.
 
     Hard rules (random ops, mutations and their sources, effectful ops, collectives) give
     MUST_SAVE and are applied to a multi-output node's getitems too; the policy decides the rest.
-    Mutates node.meta only; deterministic. Returns {node name: reason} for the hard-ruled nodes.
+    node.meta[REASON_KEY] says who decided (Reason). Mutates node.meta only; deterministic.
+    Returns {node name: reason} for the hard-ruled nodes.
     """
     fwd_list = forward_nodes(gm.graph)
     fwd = set(fwd_list)
@@ -184,7 +176,7 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, str]:
         if decision not in SAVE + RECOMPUTE:
             raise ValueError(f"policy returned {decision}; allowed: {', '.join(p.name for p in SAVE + RECOMPUTE)}")
         node.meta[RECOMPUTE_KEY] = decision
-        node.meta[REASON_KEY] = "policy"
+        node.meta[REASON_KEY] = BY_POLICY
     _recompute_tuples_of_recomputed_elements(fwd_list)
     return forced
 
@@ -195,7 +187,7 @@ def _recompute_tuples_of_recomputed_elements(nodes: list[torch.fx.Node]) -> None
     torch's partitioner does not keep its inputs for the backward: a parameter the backward reads
     nowhere else (BatchNorm's bias) is then missing, and partitioning fails."""
     for node in nodes:
-        if node.op != "call_function" or node.meta.get(REASON_KEY) != "policy":
+        if node.op != "call_function" or node.meta.get(REASON_KEY) != BY_POLICY:
             continue
         if node.meta.get(RECOMPUTE_KEY) not in SAVE or not is_multi_output(node):
             continue

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from passes.sizes import format_size
+
 
 @dataclass(frozen=True, kw_only=True)
 class Problem:
@@ -81,10 +83,12 @@ class Solution:
 
 
 class Infeasible(ValueError):
-    """No plan fits the budget; `smallest` is the smallest budget (bytes) any plan fits."""
+    """No plan fits the budget; `smallest` is the smallest budget (bytes) any plan fits, and
+    `reached`, when known, the smallest as a fraction of the budget's scale (a memory budget's
+    fraction of the activation memory without checkpointing)."""
 
-    def __init__(self, budget: int, smallest: int, message: str | None = None):
-        self.budget, self.smallest = budget, smallest
+    def __init__(self, budget: int, smallest: int, message: str | None = None, *, reached: float | None = None):
+        self.budget, self.smallest, self.reached = budget, smallest, reached
         super().__init__(
             message
             or f"memory budget {_fmt(budget)} is infeasible: the smallest plan saves {_fmt(smallest)} "
@@ -96,7 +100,7 @@ Solver = Callable[[Problem, int], Solution]
 
 
 def _fmt(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB ({n} bytes)"
+    return f"{format_size(n)} ({n} bytes)"
 
 
 def check(problem: Problem, saved: set[int] | frozenset[int], recomputed: set[int] | frozenset[int]) -> None:

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from ckpt_fx.measure import peak_bytes
-from ckpt_fx.setups import hf_checkpointing_enable
+from ckpt_fx.bench.setups import hf_checkpointing_enable
 
 def swin():
     cfg = transformers.SwinConfig(image_size=224, patch_size=4, embed_dim=32, depths=[2, 2, 6, 2], num_heads=[1, 2, 4, 8], window_size=7, num_labels=10)

@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from ckpt_fx.explain import training_loss
+from ckpt_fx.report import training_loss
 from ckpt_fx.fit import fit
 from ckpt_fx.measure import peak_bytes
 
@@ -42,7 +42,7 @@ def measured_step_peak(model: torch.nn.Module, args: tuple, kwargs: dict, *, pol
 
 
 def llama():
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     torch.manual_seed(0)
     model = build("llama", layers=4, dim=256)

@@ -36,7 +36,7 @@ class BrokenBetweenBlocks(torch.nn.Module):
 
 def test_entry_point_is_registered_once():
     eps = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "ckpt"]
-    assert [ep.value for ep in eps] == ["ckpt_fx.backend:ckpt"]
+    assert [ep.value for ep in eps] == ["ckpt_fx.dynamo_backend:ckpt"]
 
 
 def test_backend_string_works_without_importing_ckpt_fx():
@@ -165,3 +165,31 @@ def test_observers_see_each_graph_before_the_passes_and_after_its_plan():
     assert done.joint is joint and done.plan is b.plans[0] and done.kwargs["num_fwd_outputs"] == outputs
     assert any(REASON_KEY in n.meta for n in joint.graph.nodes)
     assert {n.name for n in done.backward.graph.nodes} >= set(done.plan.recomputed) and done.plan.recomputed
+
+
+def test_the_fallback_is_what_the_inner_compiler_does_without_us():
+    """A graph the passes fail on is partitioned as the inner compiler would have partitioned it
+    alone, from the joint graph as AOTAutograd handed it over: under Inductor, min-cut's own plan
+    (not the default partition, and not of a graph our passes already rewrote: BatchNorm's twin
+    would make its forward normalise twice)."""
+    from passes._compat import min_cut_partition
+    from passes.graphs import copy_graph_module
+
+    spec = Spec(depth=2, width=8, batchnorm=True)
+    joints = []
+    recorder = ckpt_fx.backend(policy="none", compiler="eager", strict=True)
+    recorder.on_joint.append(lambda joint, joint_inputs, kw: joints.append((copy_graph_module(joint), joint_inputs, kw)))
+    train_step(make(spec), inputs(spec, 2, 4), recorder)
+    joint, joint_inputs, kwargs = joints[0]
+
+    def broken(info):
+        raise RuntimeError("a policy that cannot decide")
+
+    inductor = ckpt_fx.CkptBackend(ckpt_fx.Options(policy=broken, compiler="inductor"))
+    with pytest.warns(UserWarning, match=r"falling back to Inductor's own partition .* a policy that cannot decide"):
+        fw, bw = inductor.partition(copy_graph_module(joint), joint_inputs, **kwargs)
+    alone_fw, alone_bw = min_cut_partition(copy_graph_module(joint), joint_inputs, **kwargs)
+    twins = [n for n in fw.graph.nodes if n.target is torch.ops.aten._native_batch_norm_legit.no_stats]
+    assert twins == []
+    assert [n.name for n in fw.graph.output_node().all_input_nodes] == [n.name for n in alone_fw.graph.output_node().all_input_nodes]
+    assert not inductor.plans

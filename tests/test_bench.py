@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from ckpt_fx import bench, setups, solver_table, workloads
+from ckpt_fx.bench import plot, setups, solver_table, workloads
+from ckpt_fx.bench import table as bench
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_a_failing_setup_is_a_row_with_its_error():
 
 
 def _row(setup: str, peak: float, step: float, error: str | None = None) -> bench.Row:
-    return bench.Row(setup=setup, peak_mb=peak, peak_ratio=peak, step_s=step, step_ratio=step, grad_rel_diff=0.0,
+    return bench.Row(setup=setup, ours=setup.startswith("ckpt"), peak_mb=peak, peak_ratio=peak, step_s=step, step_ratio=step, grad_rel_diff=0.0,
                      predicted_mb=None, compile_s=0.0, error=error)
 
 
@@ -114,11 +115,11 @@ def test_workload_moves_to_a_device_or_names_the_valid_ones(capsys):
 def test_plot_draws_the_pareto_front(rows, tmp_path):
     pytest.importorskip("matplotlib")
     done = [r for r in rows.values() if r.error is None]
-    front = bench.pareto_front(done)
+    front = plot.pareto_front(done)
     assert front and all(not (o.peak_mb < r.peak_mb and o.step_s < r.step_s) for r in front for o in done)
     assert min(done, key=lambda r: r.peak_mb) in front and min(done, key=lambda r: r.step_s) in front
     path = tmp_path / "bench.png"
-    bench.plot([*rows.values(), _row("ckpt:budget:0.001", math.nan, math.nan, error="no plan")], str(path), title="tiny")
+    plot.plot([*rows.values(), _row("ckpt:budget:0.001", math.nan, math.nan, error="no plan")], str(path), title="tiny")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -136,7 +137,7 @@ def test_plot_labels_do_not_overlap():
     ax.scatter([x for _, x, _ in points], [y for _, _, y in points])
     ax.set_xlim(0, 200)
     ax.set_ylim(0, 100)
-    boxes = bench._label_points(fig, ax, points)
+    boxes = plot._label_points(fig, ax, points)
     plt.close(fig)
     assert len(boxes) == 6
     assert not [(i, j) for i in range(6) for j in range(i + 1, 6) if boxes[i].overlaps(boxes[j])]

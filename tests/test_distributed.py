@@ -116,7 +116,7 @@ def _fsdp_worker(rank: int, port: int, folder: str) -> None:
         from torch.distributed.fsdp import fully_shard
 
         import ckpt_fx
-        from ckpt_fx.models import build
+        from ckpt_fx.bench.models import build
 
         torch.manual_seed(0)
         base = build("llama", layers=4, dim=64, heads=4)
@@ -201,7 +201,7 @@ def _collective_worker(rank: int, port: int, folder: str) -> None:
             "grads_close": all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6) for p, g in zip(model.parameters(), eager)),
             "collectives": collectives,
             "recomputed": [p.recomputed for p in rec.backend.plans],
-            "hard_rules": [p.hard_rules for p in rec.backend.plans],
+            "hard_rules": [{name: str(rule) for name, rule in p.hard_rules.items()} for p in rec.backend.plans],
         }
         torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
     finally:
@@ -220,3 +220,44 @@ def test_collectives_are_never_recomputed(tmp_path):
         assert sorted(bw_colls) == sorted(joint_bw_colls), "a forward all_reduce was replayed in the backward"
         assert {reason for reason in r["hard_rules"][0].values()} >= {"collective"}
     assert results[0]["recomputed"] == results[1]["recomputed"]
+
+
+def _measured_costs_worker(rank: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        import ckpt_fx
+        import passes.budget as budget_module
+        from tests._models import Spec, inputs, make
+
+        # Each rank's "timings" differ (as two machines' would): rank r prices an op by its name
+        # times r + 1, so without agreement the ranks would solve different problems.
+        budget_module.measured_costs = lambda device: (lambda node: (rank + 1) * (1.0 + len(node.name) % 5))
+        real, seen = budget_module.agreed_costs, []
+
+        def recording(names, costs):
+            agreed = real(names, costs)
+            seen.append((tuple(costs), tuple(agreed)))
+            return agreed
+
+        budget_module.agreed_costs = recording
+        spec = Spec(depth=4, width=32)
+        m = torch.nn.parallel.DistributedDataParallel(make(spec))
+        backend = ckpt_fx.backend(policy="budget:0.5,costs=measured", compiler="eager", strict=True)
+        torch.compile(m, backend=backend)(inputs(spec, 4, 32, seed=rank)).sin().sum().backward()
+        out = {"seen": seen, "plans": [(p.recomputed, [s.name for s in p.saved]) for p in backend.plans]}
+        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_measured_costs_give_every_rank_the_same_plan(tmp_path):
+    """costs="measured" times ops on each rank, and timings differ between ranks; under a process
+    group every rank plans with rank 0's timings, so the ranks reach the same plan."""
+    results = _run_workers(_measured_costs_worker, tmp_path)
+    zero, one = results
+    assert zero["seen"] and len(zero["seen"]) == len(one["seen"])
+    for (own0, agreed0), (own1, agreed1) in zip(zero["seen"], one["seen"]):
+        assert own0 != own1  # the ranks timed differently...
+        assert agreed0 == agreed1 == own0  # ...and both planned with rank 0's timings
+    assert zero["plans"] == one["plans"] and zero["plans"][0][0]

@@ -77,7 +77,7 @@ def test_help_answers_without_importing_torch():
     done = run("-c", code)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(default: 12)" in done.stdout and "ckpt-eager:<policy>" in done.stdout
-    from ckpt_fx import setups
+    from ckpt_fx.bench import setups
 
     assert ";".join(setups.CPU_SETUPS) in done.stdout
 

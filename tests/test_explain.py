@@ -6,7 +6,7 @@ import torch
 
 import ckpt_fx
 from ckpt_fx import CheckpointPolicy, policies
-from ckpt_fx.models import build
+from ckpt_fx.bench.models import build
 
 
 def small():
@@ -47,7 +47,7 @@ def test_report_lists_blocks_saved_tensors_and_peaks():
 
 
 def test_saved_values_that_are_no_activations_are_named():
-    from ckpt_fx.explain import _described
+    from ckpt_fx.report import _described
 
     assert _described("inductor_seeds") == "inductor_seeds (random-number state)"
     assert _described("detach(run_and_save_rng_state[0])") == "detach(run_and_save_rng_state[0]) (random-number state)"
@@ -83,7 +83,7 @@ def test_tiny_regions_warn_that_recompute_costs_more_than_it_saves():
 def test_explain_leaves_the_process_as_it_found_it():
     """explain() neither resets dynamo (a model the user compiled stays compiled: no second
     compile) nor moves the random number generator; it says which inner compiler it planned for."""
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     torch.manual_seed(0)
     user_model = build("gpt", layers=2, dim=32, heads=2)

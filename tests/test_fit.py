@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckpt_fx.fit import fit, parse_memory
-from ckpt_fx.models import build
+from ckpt_fx.bench.models import build
 from tests.fit_check import lora, measured_step_peak
 
 POLICIES = ("none", "blocks:every=1,skip_first=0")

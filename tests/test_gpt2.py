@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckpt_fx
-from ckpt_fx.setups import hf_checkpointing_enable
+from ckpt_fx.bench.setups import hf_checkpointing_enable
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def gpt2():
-    from ckpt_fx.workloads import gpt2_workload
+    from ckpt_fx.bench.workloads import gpt2_workload
 
     return gpt2_workload()
 

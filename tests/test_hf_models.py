@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ckpt_fx
-from ckpt_fx.setups import hf_checkpointing_enable
+from ckpt_fx.bench.setups import hf_checkpointing_enable
+from passes.sizes import format_size
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,7 +163,7 @@ def test_a_kv_cache_left_on_is_named_once_with_its_size_and_the_fix():
     assert all(w.filename == __file__ for w in record if "KV cache" in str(w.message))
     assert "use_cache=False" in held[0] and "model.layers.1.self_attn" in held[0]
     total = sum(nbytes for _, nbytes in backend.plans[0].held_outputs)
-    assert f"({total / 2**10:.0f} KiB; " in held[0] and total >= 2 * 2 * (2 * 32 * 16 * 4)  # k and v (batch x seq x 16 fp32) of 2 blocks at least
+    assert f"({format_size(total, digits=1)}; " in held[0] and total >= 2 * 2 * (2 * 32 * 16 * 4)  # k and v (batch x seq x 16 fp32) of 2 blocks at least
     assert backend.plans[0].held_outputs
     torch._dynamo.reset()
     quiet = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", strict=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckpt_fx
-from ckpt_fx.models import build
+from ckpt_fx.bench.models import build
 from passes._compat import activation_memory_budget, has_inductor_partitioner_hook, no_fx_graph_cache
 
 pytestmark = pytest.mark.skipif(not has_inductor_partitioner_hook(), reason="no custom_partitioner_fn in this torch")
@@ -48,7 +48,8 @@ def test_a_low_budget_draws_each_dropout_mask_once(fresh_inductor_cache):
     """Under Inductor the budget plans with torch's min-cut partitioner, whose own knob at a low
     budget recomputes dropout with new random numbers (pytorch/pytorch#190758); ours saves every
     mask: the bench's gradient column, under fallback_random, shows eager's gradients."""
-    from ckpt_fx import bench, workloads
+    from ckpt_fx.bench import table as bench
+    from ckpt_fx.bench import workloads
 
     workload = workloads.builtin_workload("gpt", layers=2, dim=64, heads=2, batch=2, seq=32, dropout=0.1)
     eager, ours = bench.run(workload, ("eager", "ckpt-inductor:budget:0.1"), steps=1, fallback_random=True)
@@ -109,7 +110,8 @@ def inductor_rows(tmp_path_factory):
     kernel cache of its own: another process compiling the same kernels cannot interfere)."""
     import os
 
-    from ckpt_fx import bench, workloads
+    from ckpt_fx.bench import table as bench
+    from ckpt_fx.bench import workloads
 
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
@@ -172,12 +174,12 @@ def test_where_inductor_cannot_be_asked_the_walk_predicts(fresh_inductor_cache, 
     lower, a changed private API) costs the prediction's accuracy, never the plan."""
     import logging
 
-    import passes.memory
+    import passes.inductor_memory
 
     def unavailable(gm, **kwargs):
         raise AttributeError("no scheduler here")
 
-    monkeypatch.setattr(passes.memory, "inductor_schedule", unavailable)
+    monkeypatch.setattr(passes.inductor_memory, "inductor_schedule", unavailable)
     backend = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", compiler="inductor", strict=True)
     model = _model()
     with caplog.at_level(logging.INFO, logger="ckpt_fx"):
@@ -201,7 +203,7 @@ def test_a_recomputing_plan_keeps_the_lower_of_its_partitions_with_and_without_c
     """Note [CSE under recompute]: a policy that recomputes is partitioned with and without
     min-cut's CSE of the joint graph, and the plan of lower predicted peak is kept; its measured
     peak is no higher (within 2%) than the other's, and its gradients equal eager's."""
-    import passes.pipeline
+    import passes.planner
 
     ids = torch.randint(0, 1000, (4, 128))
     policy = "blocks:every=1,skip_first=0"
@@ -222,8 +224,8 @@ def test_a_recomputing_plan_keeps_the_lower_of_its_partitions_with_and_without_c
     kept, grads, plan = measured(ckpt_fx.backend(policy=policy, compiler="inductor", strict=True))
     for ours, theirs in zip(grads, eager):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
-    both = passes.pipeline._both_ways
-    monkeypatch.setattr(passes.pipeline, "_both_ways", lambda a, b: b if both(a, b) is a else a)
+    lower = passes.planner._lower
+    monkeypatch.setattr(passes.planner, "_lower", lambda a, b: b if lower(a, b) is a else a)
     other, _, other_plan = measured(ckpt_fx.backend(policy=policy, compiler="inductor", strict=True))
     assert {plan.joint_cse, other_plan.joint_cse} == {True, False}
     assert kept <= 1.02 * other, (plan.joint_cse, kept, other)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
 
 import ckpt_fx
 from ckpt_fx import CheckpointPolicy
+from passes._compat import RECOMPUTE_KEY
 from passes.memory import _walk
 from passes.regions import forward_nodes
 from passes.schedule import first_use_distance, schedule_pass
-from passes.select import REASON_KEY
+from passes.select import BY_POLICY, REASON_KEY, HardRule, Reason
 from tests._models import Recorder, Spec, bitwise_equal, inputs, make, train_step
 
 
@@ -29,9 +31,9 @@ def test_hard_rules_beat_a_policy_that_recomputes_everything():
     got = train_step(model, x, cap.backend)
     eager = train_step(model, x)
     reasons = {n.meta.get(REASON_KEY) for n in cap.graphs[0][0].graph.nodes}
-    assert "random (tuple element)" in reasons  # native_dropout's mask
-    assert "mutation source (tuple element)" in reasons  # BatchNorm's new running stats, copied into the buffers
-    assert all(n.meta.get(REASON_KEY) != "policy" or n.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    assert Reason(HardRule.RANDOM, tuple_element=True) in reasons  # native_dropout's mask
+    assert Reason(HardRule.MUTATION_SOURCE, tuple_element=True) in reasons  # BatchNorm's new running stats, copied into the buffers
+    assert all(n.meta.get(REASON_KEY) != BY_POLICY or n.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
                for n in cap.graphs[0][0].graph.nodes if n.op == "call_function" and n in set(forward_nodes(cap.graphs[0][0].graph)))
     for n in cap.graphs[0][1].graph.nodes:
         if isinstance(n.target, torch._ops.OpOverload):
@@ -105,7 +107,7 @@ def test_schedule_recomputes_each_block_just_before_its_gradients():
 @pytest.mark.parametrize("policy", ["none", "blocks", "blocks:every=1,skip_first=0", "segments:2"])
 def test_predicted_peak_is_close_to_the_measured_one(policy):
     """The memory pass's prediction is within 15% of the profiler's measured peak."""
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     torch.manual_seed(0)
     model = build("gpt", layers=4, dim=64, heads=2, dropout=0.1).train()
@@ -127,7 +129,7 @@ def test_predicted_peak_is_close_to_the_measured_one(policy):
 
 def test_memory_falls_as_policies_checkpoint_more(device):
     """Measured peak: none > blocks:4 > blocks > blocks(skip_first=0)."""
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     torch.manual_seed(0)
     model = build("llama", layers=8, dim=64, heads=2).to(device).train()
@@ -152,7 +154,7 @@ def test_joint_liveness_predicts_the_partitioned_peak(model_name):
     joint graph]); it must predict what the memory pass predicts on the partitioned graphs, for
     every kind of plan (segments rebuild several blocks at once; SDPA recompute goes through
     torch's RNG functionalization)."""
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
     from passes.memory import JointLiveness
     from passes.select import RECOMPUTE
 
@@ -196,7 +198,7 @@ def test_a_schedules_peak_counts_its_storages_and_its_entry_until_freed():
     (100 bytes) whose storage a kernel writes into at step 1, so it lives through step 3; buf0
     (40) from step 0 to 2; buf2 (10) returned (never freed). Live bytes: 140 at step 0, 140 at 1,
     150 at 2, 110 at 3."""
-    from passes.memory import _schedule_peak
+    from passes.inductor_memory import schedule_peak as _schedule_peak
 
     schedule = (4, [(0, 2, 40), (2, None, 10)], {"saved_1": 3})
     assert _schedule_peak(schedule, entry={"key": 100}, freed={"key": 3}) == 150
@@ -211,7 +213,7 @@ def test_a_schedules_peak_counts_its_storages_and_its_entry_until_freed():
 def test_fused_costs_price_a_pointwise_recompute_as_its_reads_and_a_matmul_as_before():
     """Under Inductor a recomputed pointwise op costs its extra reads (no launch, no write); a
     matmul costs its roofline time either way."""
-    from passes.budget import roofline_cost
+    from passes.costs import roofline_cost
 
     nodes = _traced(lambda x, w: torch.mm(torch.relu(x), w), torch.randn(64, 64), torch.randn(64, 64))
     relu, mm = nodes[torch.ops.aten.relu.default], nodes[torch.ops.aten.mm.default]
@@ -219,39 +221,131 @@ def test_fused_costs_price_a_pointwise_recompute_as_its_reads_and_a_matmul_as_be
     assert roofline_cost(mm, "cpu", fused=True) == roofline_cost(mm, "cpu")
 
 
-def _dotted(node) -> str | None:
-    import ast
+def _graph(build) -> torch.fx.GraphModule:
+    """A hand-built graph: `build(graph, value)` adds nodes; `value(node, *shape)` gives a node a
+    float32 meta tensor of that shape (its meta "val") and returns it."""
+    graph = torch.fx.Graph()
 
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+    def value(node, *shape):
+        node.meta["val"] = torch.empty(shape, device="meta")
+        return node
+
+    build(graph, value)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def test_private_torch_modules_only_through_compat():
-    """README: every private torch module the code imports is reached through passes/_compat.py
-    (aten ops under torch.ops are named where they are matched); and the floors import one way:
-    passes/ never imports ckpt_fx."""
-    import ast
-    import pathlib
+def test_memory_pass_counts_a_saved_view_once_and_walks_both_graphs():
+    """memory_pass on hand-built graphs (4x4 float32 = 64 bytes): a saved value and a saved view
+    of it are one storage (64 saved bytes, the view says whose); the forward peaks at its two
+    values; the backward holds the saved value, the forward's output and the incoming gradient,
+    then allocates two gradients."""
+    from passes.memory import memory_pass
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    private = lambda name: any(p.startswith("_") and not p.startswith("__") for p in name.split(".")[1:])  # noqa: E731
-    found, upward = [], []
-    for path in sorted([*root.glob("ckpt_fx/*.py"), *root.glob("passes/*.py"), *root.glob("examples/*.py")]):
-        if path.name == "_compat.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Attribute) and (name := _dotted(node)) and not name.startswith("torch.ops."):
-                names = [name]
-            found += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n.startswith("torch.") and private(n)]
-            upward += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names
-                       if path.parent.name == "passes" and n.split(".")[0] == "ckpt_fx"]
-    assert not found, found
-    assert not upward, upward
+    aten = torch.ops.aten
+
+    def forward(g, value):
+        x = value(g.placeholder("primals_1"), 4, 4)
+        a = value(g.create_node("call_function", aten.relu.default, (x,), name="relu"), 4, 4)
+        v = value(g.create_node("call_function", aten.view.default, (a, [4, 4]), name="view"), 4, 4)
+        b = value(g.create_node("call_function", aten.mul.Tensor, (a, a), name="mul"), 4, 4)
+        g.output((b, a, v))
+
+    def backward(g, value):
+        a = value(g.placeholder("relu"), 4, 4)
+        v = value(g.placeholder("view"), 4, 4)
+        t = value(g.placeholder("tangents_1"), 4, 4)
+        c = value(g.create_node("call_function", aten.mul.Tensor, (t, a), name="grad_mul"), 4, 4)
+        d = value(g.create_node("call_function", aten.add.Tensor, (c, v), name="grad_add"), 4, 4)
+        g.output((d,))
+
+    fw, bw = _graph(forward), _graph(backward)
+    predicted = memory_pass(fw, bw, num_fwd_outputs=1, forward_names={"relu", "view", "mul"})
+    assert predicted.saved_bytes == 64
+    assert [(s.name, s.nbytes, s.view_of) for s in predicted.saved] == [("relu", 64, None), ("view", 64, "relu")]
+    assert predicted.forward_peak_bytes == 128  # relu and mul
+    assert predicted.forward_end_bytes == 128  # mul returned, relu saved
+    assert predicted.backward_peak_bytes == 256  # relu, mul (held by the caller), the gradient, then two more
+    assert predicted.gradient_bytes == 64
+    assert predicted.recomputed == ()
+
+
+def test_select_pass_saves_a_random_op_and_its_tuple_elements_whatever_the_policy():
+    """select_pass on a hand-built graph: a policy that recomputes everything gets native_dropout
+    (random) and both its getitems saved, each with the rule that forced it; the relu after it is
+    the policy's to recompute."""
+    from passes.select import select_pass
+
+    aten = torch.ops.aten
+
+    def build(g, value):
+        x = g.placeholder("primals_1")
+        drop = g.create_node("call_function", aten.native_dropout.default, (x, 0.5, True), name="native_dropout")
+        out = g.call_function(operator.getitem, (drop, 0))
+        mask = g.call_function(operator.getitem, (drop, 1))
+        relu = g.create_node("call_function", aten.relu.default, (out,), name="relu")
+        g.output((relu, mask))
+
+    gm = _graph(build)
+    forced = select_pass(gm, policy=lambda info: CheckpointPolicy.MUST_RECOMPUTE)
+    decided = {n.name: (n.meta[RECOMPUTE_KEY], n.meta[REASON_KEY]) for n in gm.graph.nodes if RECOMPUTE_KEY in n.meta}
+    assert decided == {
+        "native_dropout": (CheckpointPolicy.MUST_SAVE, Reason(HardRule.RANDOM)),
+        "getitem": (CheckpointPolicy.MUST_SAVE, Reason(HardRule.RANDOM, tuple_element=True)),
+        "getitem_1": (CheckpointPolicy.MUST_SAVE, Reason(HardRule.RANDOM, tuple_element=True)),
+        "relu": (CheckpointPolicy.MUST_RECOMPUTE, BY_POLICY),
+    }
+    assert set(forced) == {"native_dropout", "getitem", "getitem_1"}
+    assert str(forced["getitem"]) == "random (tuple element)"
+
+
+def test_joint_liveness_frees_a_recomputed_value_in_the_forward_and_rebuilds_it_when_needed():
+    """JointLiveness on a hand-built joint graph (4x4 float32 = 64 bytes): saved, `a` lives from
+    the forward into the backward (forward peak a+b+c = 192 bytes); recomputed, it dies after its
+    last forward use (forward peak 128) and is rebuilt just before the backward reads it (peak
+    136: the output, the gradient, a, and a's gradient)."""
+    from passes.memory import JointLiveness
+
+    aten = torch.ops.aten
+
+    def build(g, value):
+        x = value(g.placeholder("primals_1"), 4, 4)
+        t = value(g.placeholder("tangents_1"))
+        a = value(g.create_node("call_function", aten.relu.default, (x,), name="relu"), 4, 4)
+        b = value(g.create_node("call_function", aten.mul.Tensor, (a, a), name="mul"), 4, 4)
+        c = value(g.create_node("call_function", aten.mul.Tensor, (b, b), name="mul"), 4, 4)
+        d = value(g.create_node("call_function", aten.sum.default, (c,), name="sum"))
+        for node in (a, b, c, d):
+            node.meta["partitioner_tag"] = "is_forward"
+        grad = value(g.create_node("call_function", aten.mul.Tensor, (a, t), name="mul"), 4, 4)
+        g.output((d, grad))
+
+    liveness = JointLiveness(_graph(build), num_fwd_outputs=1)
+    saved, recomputed = liveness.estimate(set()), liveness.estimate({"relu"})
+    assert (saved.peak_bytes, saved.gradient_bytes) == (192, 64)
+    assert (recomputed.peak_bytes, recomputed.gradient_bytes) == (136, 64)
+
+
+def test_a_plan_at_other_sizes_keeps_what_planning_decided():
+    """Plan.at predicts the memory again at other symbolic sizes and keeps everything else the
+    plan recorded: under min-cut, whether it merged the joint graph (joint_cse), its units, its
+    policy."""
+    import passes.pipeline
+    from passes.graphs import copy_graph_module
+
+    spec = Spec(depth=2, width=8)
+    joints = []
+    backend = ckpt_fx.backend(policy="none", compiler="eager", strict=True)
+    backend.on_joint.append(lambda joint, joint_inputs, kw: joints.append((copy_graph_module(joint), joint_inputs, kw)))
+    x = inputs(spec, 2, 6)
+    torch._dynamo.mark_dynamic(x, 1)
+    train_step(make(spec), x, backend)
+    joint, joint_inputs, kw = joints[0]
+    _, _, plan = passes.pipeline.run(
+        joint, joint_inputs, policy=ckpt_fx.policies.parse("blocks:every=1,skip_first=0"), policy_name="blocks",
+        num_fwd_outputs=kw["num_fwd_outputs"], static_lifetime_input_indices=kw.get("static_lifetime_input_indices"),
+        partitioner="min_cut")
+    assert plan.joint_cse is not None and plan.symbols and plan.recomputed
+    symbol, hint = next(iter(plan.symbols.items()))
+    longer = plan.at(**{symbol: 4 * hint})
+    assert longer.peak_bytes > plan.peak_bytes
+    assert (longer.joint_cse, longer.units, longer.policy, longer.recomputed) == (plan.joint_cse, plan.units, plan.policy, plan.recomputed)

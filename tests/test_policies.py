@@ -7,7 +7,7 @@ import pytest
 import ckpt_fx
 from ckpt_fx import CheckpointPolicy, policies
 from passes.regions import Block
-from passes.select import NodeInfo
+from passes.policy import NodeInfo
 
 
 def blocks_of(n: int, stack: str = "layers") -> list[Block]:
@@ -161,7 +161,7 @@ def test_graph_on_one_compiled_block_saves_only_its_inputs():
 
     import torch
 
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     block = build("llama", layers=1, dim=64, heads=2).layers[0]
     x = torch.randn(2, 64, 64, requires_grad=True)
@@ -207,7 +207,7 @@ def test_selective_saves_expensive_ops_and_recomputes_the_rest():
 def test_selective_on_a_gpt_lowers_the_peak_with_little_recompute():
     import torch
 
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     torch.manual_seed(0)
     model = build("gpt", layers=3, dim=64, heads=2)
@@ -235,7 +235,7 @@ def test_only_in_refuses_a_budget_and_keeps_graphs_quiet_about_blocks():
 
     import torch
 
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     with pytest.raises(ValueError, match=r"only_in cannot wrap budget\(0.5\): a memory budget plans the whole graph"):
         policies.only_in("layers.*", "budget:0.5")

@@ -136,3 +136,21 @@ def test_dynamo_graph():
     assert params and all(p.grad is not None for p in params)
     for p, r in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p.grad, r.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_rewrite_graph_plans_for_the_eager_graphs_it_runs():
+    """rewrite_graph runs its graphs under plain autograd, so it plans them with AOTAutograd's
+    default partition, as the eager inner compiler does, not with Inductor's min-cut (whatever
+    CKPT_FX_COMPILER says): the plan records no min-cut CSE decision."""
+    import os
+
+    model = make(SPEC)
+    x = inputs(SPEC, 2, 8)
+    before = os.environ.get("CKPT_FX_COMPILER")
+    os.environ["CKPT_FX_COMPILER"] = "inductor"
+    try:
+        rewritten = ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(model), "blocks:every=1,skip_first=0", (x,))
+    finally:
+        os.environ.pop("CKPT_FX_COMPILER") if before is None else os.environ.__setitem__("CKPT_FX_COMPILER", before)
+    assert rewritten.plan.recomputed
+    assert rewritten.plan.joint_cse is None

@@ -214,9 +214,11 @@ def test_a_front_cut_short_is_marked_inexact():
 
 
 def test_a_slow_clock_gives_the_same_plan(monkeypatch):
-    """Note [Plans bounded by counts]: the plan does not depend on the machine's speed. A clock
-    that runs 1000 s per reading (a loaded machine, as the solvers see it) gives the same plan,
-    by the same solver, as the real one."""
+    """Note [Plans bounded by counts]: no decision of our solvers reads the clock. A clock that
+    runs 1000 s per reading (a loaded machine, as our code sees it) gives the same plan, by the
+    same solver, as the real one. This covers our code (the choice between the parts, the MILP
+    and greedy, the front's walk); HiGHS itself is bounded by node_limit (branch-and-bound nodes),
+    its time limit only a safety net (SAFETY_SECONDS) far above what these problems take."""
     import passes.solve as solve_module
 
     problem = _alike_blocks(8)

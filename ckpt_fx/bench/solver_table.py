@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt_fx.backend import backend as ckpt_backend
-from ckpt_fx.workloads import Workload
+from ckpt_fx.dynamo_backend import backend as ckpt_backend
+from ckpt_fx.bench.workloads import Workload
 
 
 @dataclass(frozen=True, kw_only=True)

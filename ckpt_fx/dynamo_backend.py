@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import os
 import pathlib
@@ -23,12 +22,15 @@ from passes._compat import (
     default_partition,
     has_inductor_partitioner_hook,
     inductor_with_partitioner,
+    min_cut_partition,
 )
+from passes.graphs import copy_graph_module
 from passes.debug import debug_checks_pass
-from passes.warn import warn_user
+from passes.policy import BudgetSpec, NamedPolicy, matches_path, uses_blocks
 from passes.regions import PATH_KEY
-from passes.budget import BudgetSpec
-from passes.select import REASON_KEY, NamedPolicy
+from passes.sizes import format_size
+from passes.select import REASON_KEY
+from passes.warn import warn_user
 
 log = logging.getLogger("ckpt_fx")
 
@@ -50,7 +52,8 @@ class Options:
     our partition, then Inductor's kernels; the default) or "eager" (FX graphs run as Python:
     compiles in seconds, and the only one the debug checks run with)."""
     strict: bool = False
-    """Raise instead of falling back to AOTAutograd's default partition when a pass fails."""
+    """Raise instead of falling back to what the inner compiler does without us (Inductor's own
+    partition, or AOTAutograd's default) when a pass fails."""
     debug: bool | str = False
     """True: check recomputed tensors' shapes, dtypes, strides and dump each pass's graphs;
     "values": check their values too (keeps the originals: debugging memory)."""
@@ -159,9 +162,12 @@ class CkptBackend:
         return f"ckpt_fx.backend(policy={policies.policy_name(self.options.policy)}, compiler={self.options.compiler!r})"
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        """AOTAutograd's partition_fn: our pipeline, or the default partition with one warning."""
+        """AOTAutograd's partition_fn: our pipeline; where it fails, what the inner compiler does
+        without us (Inductor's min-cut, or AOTAutograd's default partition), on the joint graph as
+        it was handed over, with one warning."""
         for observe in self.on_joint:
             observe(joint, joint_inputs, kwargs)
+        handed_over = None if self.options.strict else copy_graph_module(joint)  # the passes rewrite joint
         name = policies.policy_name(self.options.policy)
         self._graphs += 1
         debug = self.options.debug
@@ -184,11 +190,11 @@ class CkptBackend:
         except Exception as error:
             if self.options.strict:
                 raise
-            for node in joint.graph.nodes:
-                node.meta.pop(RECOMPUTE_KEY, None)
-            warn_user(f"ckpt_fx: falling back to AOTAutograd's default partition (no checkpointing) for this graph: {error}")
-            fw, bw = default_partition(
-                joint,
+            fallback = min_cut_partition if self.partitioner == "min_cut" else default_partition
+            without = "Inductor's own partition" if self.partitioner == "min_cut" else "AOTAutograd's default partition"
+            warn_user(f"ckpt_fx: falling back to {without} (no checkpointing) for this graph: {error}")
+            fw, bw = fallback(
+                handed_over,
                 joint_inputs,
                 num_fwd_outputs=kwargs["num_fwd_outputs"],
                 static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
@@ -222,7 +228,7 @@ class CkptBackend:
         shown = ", ".join(paths[:3] + (["..."] if len(paths) > 3 else []))
         self._warn_once(
             f"ckpt_fx: the model returns {len(plan.held_outputs)} tensors computed inside checkpointed blocks "
-            f"({f'{total / 2**20:.1f} MB' if total >= 2**20 else f'{total / 2**10:.0f} KiB'}; {shown}): they stay alive from the forward to the backward whatever the "
+            f"({format_size(total, digits=1)}; {shown}): they stay alive from the forward to the backward whatever the "
             "policy. For a Hugging Face model this is its KV cache: call it with use_cache=False (or set "
             "model.config.use_cache = False) when training, as its own gradient checkpointing does"
         )
@@ -235,12 +241,12 @@ class CkptBackend:
         paths = plan.module_paths
         policy = self.options.policy
         for pattern in policy.patterns if isinstance(policy, NamedPolicy) else ():
-            if not any(fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p, pattern + ".*") for p in paths):
+            if not any(matches_path(p, (pattern,)) for p in paths):
                 units = [b.path for b in plan.blocks]
                 shown = ", ".join(units[:6] + (["..."] if len(units) > 6 else []))
                 self._warn_once(f"ckpt_fx: only_in pattern {pattern!r} matches no module of this graph; "
                                 f"its units are {shown} (module paths like {paths[0]!r} ... {paths[-1]!r})")
-        if not plan.recomputed and pipeline.uses_blocks(policy):
+        if not plan.recomputed and uses_blocks(policy):
             self._warn_once(f"ckpt_fx: policy {name} recomputes nothing in a graph with blocks "
                             f"{', '.join(b.path for b in plan.blocks[:6])}{' ...' if len(plan.blocks) > 6 else ''}")
 

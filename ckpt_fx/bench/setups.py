@@ -4,6 +4,7 @@ once from their names (`Setup.parse`) and applied to a fresh copy of the model (
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,8 +13,8 @@ from typing import Any
 import torch
 
 from ckpt_fx import policies
-from ckpt_fx.backend import CkptBackend
-from ckpt_fx.backend import backend as ckpt_backend
+from ckpt_fx.dynamo_backend import CkptBackend
+from ckpt_fx.dynamo_backend import backend as ckpt_backend
 from passes._compat import activation_memory_budget, own_backend, per_block_checkpointing
 
 CPU_SETUPS = (
@@ -54,16 +55,29 @@ def sweep_setups(budgets: tuple[float, ...]) -> tuple[str, ...]:
             "ckpt:selective", *lines)
 
 
+class Kind(str, enum.Enum):
+    """How a setup runs a training step."""
+
+    EAGER = "eager"
+    CHECKPOINT = "checkpoint"
+    """HF's per-block checkpointing (torch.utils.checkpoint around every block)."""
+    SAC = "sac"
+    """torch's op-level selective checkpointing."""
+    COMPILE = "compile"
+    """torch.compile alone."""
+    KNOB = "knob"
+    """torch.compile under torch's activation_memory_budget."""
+    CKPT = "ckpt"
+    """Ours."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Setup:
     """One way to run a training step, read from its name."""
 
     name: str
     """As written, e.g. "ckpt-eager:budget:0.5"; the row's label."""
-    kind: str
-    """"eager", "checkpoint" (HF per-block), "sac" (torch's op-level selective checkpointing),
-    "compile" (torch.compile alone), "knob" (torch.compile under activation_memory_budget), or
-    "ckpt" (ours)."""
+    kind: Kind
     compiler: str | None = None
     """torch.compile's backend ("aot_eager", "inductor") for compile and knob; our inner compiler
     for ckpt ("eager", "inductor", or None for the backend's default); "inductor" for inductor-sac."""
@@ -76,11 +90,11 @@ class Setup:
     def parse(name: str) -> Setup:
         """The setup a name stands for; ValueError naming the valid forms."""
         if name in ("eager", "checkpoint", "sac"):
-            return Setup(name=name, kind=name)
+            return Setup(name=name, kind=Kind(name))
         if name == "inductor-sac":
-            return Setup(name=name, kind="sac", compiler="inductor")
+            return Setup(name=name, kind=Kind.SAC, compiler="inductor")
         if name in ("aot_eager", "inductor"):
-            return Setup(name=name, kind="compile", compiler=name)
+            return Setup(name=name, kind=Kind.COMPILE, compiler=name)
         compiler, _, knob = name.partition("-budget:")
         if knob and compiler in ("aot_eager", "inductor"):
             try:
@@ -89,16 +103,20 @@ class Setup:
                 value = -1.0
             if not 0 < value <= 1:
                 raise ValueError(f"setup {name!r}: the budget must be a number in (0, 1]")
-            return Setup(name=name, kind="knob", compiler=compiler, budget=value)
+            return Setup(name=name, kind=Kind.KNOB, compiler=compiler, budget=value)
         head, sep, spec = name.partition(":")
         if sep and head in ("ckpt", "ckpt-eager", "ckpt-inductor"):
-            return Setup(name=name, kind="ckpt", compiler=head.partition("-")[2] or None, policy=policies.parse(spec))
+            return Setup(name=name, kind=Kind.CKPT, compiler=head.partition("-")[2] or None, policy=policies.parse(spec))
         raise ValueError(f"unknown setup {name!r}; valid: {SETUP_FORMS}")
+
+    @property
+    def ours(self) -> bool:
+        return self.kind == Kind.CKPT
 
     @property
     def inductor_draws(self) -> bool:
         """Whether its random ops (dropout) run as Inductor's own kernels."""
-        if self.kind == "ckpt" and self.compiler is None:
+        if self.ours and self.compiler is None:
             return ckpt_backend(policy="none").options.compiler == "inductor"
         return self.compiler == "inductor"
 
@@ -106,18 +124,18 @@ class Setup:
         """(the callable to run a step through, our backend or None, a context to run it in),
         with `model` changed in place where the setup does so (HF per-block checkpointing)."""
         none = contextlib.nullcontext
-        if self.kind == "eager":
+        if self.kind == Kind.EAGER:
             return model, None, none
-        if self.kind == "checkpoint":
+        if self.kind == Kind.CHECKPOINT:
             return checkpoint_every_block(model), None, none
         # Each setup compiles with a backend of its own: the bench keeps every setup compiled at once,
         # and Dynamo would serve one's graphs to another compiled under an equal backend.
-        if self.kind == "sac":
+        if self.kind == Kind.SAC:
             wrapped = checkpoint_every_block(model, selective=True)
             return (wrapped if self.compiler is None else torch.compile(wrapped, backend=own_backend(self.compiler))), None, none
-        if self.kind == "compile":
+        if self.kind == Kind.COMPILE:
             return torch.compile(model, backend=own_backend(self.compiler)), None, none
-        if self.kind == "knob":  # torch's own knob: the min-cut partitioner under an activation memory budget
+        if self.kind == Kind.KNOB:  # torch's own knob: the min-cut partitioner under an activation memory budget
             return (torch.compile(model, backend=own_backend(self.compiler)), None,
                     functools.partial(activation_memory_budget, self.budget))
         b = ckpt_backend(policy=self.policy, compiler=self.compiler)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ckpt_fx.explain import training_loss
+from ckpt_fx.report import training_loss
 from passes._compat import pytree
 
 
@@ -58,7 +58,7 @@ def gpt2_workload(*, layers: int = 12, dim: int = 256, heads: int = 4, vocab: in
 
 def builtin_workload(name: str = "llama", *, batch: int = 8, seq: int = 256, **config: object) -> Workload:
     """A built-in model (ckpt_fx.models) fed random token ids as input and labels."""
-    from ckpt_fx.models import build
+    from ckpt_fx.bench.models import build
 
     torch.manual_seed(0)
     model = build(name, **config).train()
@@ -152,7 +152,7 @@ def workload(model: str, *, layers: int = 12, dim: int = 256, heads: int = 4, ba
     if model == "gpt2":
         return hf_workload("GPT2Config", layers=layers, dim=dim, heads=heads, batch=batch, seq=seq, overrides=overrides)
     if model in ("llama", "gpt"):
-        from ckpt_fx.models import ModelConfig
+        from ckpt_fx.bench.models import ModelConfig
 
         valid = set(ModelConfig.__dataclass_fields__) - {"layers", "dim", "heads"}
         unknown = sorted(set(overrides or {}) - valid)

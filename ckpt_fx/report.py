@@ -11,12 +11,14 @@ from typing import Any
 import torch
 
 from ckpt_fx import policies
-from ckpt_fx.backend import CkptBackend, Options
+from ckpt_fx.dynamo_backend import CkptBackend, Options
 from ckpt_fx.measure import peak_bytes
 from passes._compat import no_fx_graph_cache, pytree
 from passes import Plan, step_peak_bytes
-from passes.memory import copy_graph_module
-from passes.pipeline import uses_blocks
+from passes.plan import PeakModel
+from passes.sizes import format_size
+from passes.graphs import copy_graph_module
+from passes.policy import uses_blocks
 
 # A checkpointed block whose recompute keeps out less than this is not worth its recompute.
 SMALL_REGION_BYTES = 64 * 1024
@@ -74,7 +76,7 @@ class Report:
             out.append(f"  ... and {len(saved) - top} smaller ones")
         out.append("")
         line = f"predicted peak: {self.predicted_peak_bytes / mb:.1f} MB"
-        if any(p.peak_model == "inductor" for p in self.plans):
+        if any(p.peak_model == PeakModel.INDUCTOR for p in self.plans):
             line += " from Inductor's own schedule"
         if self.no_checkpoint_peak_bytes:
             line += (f" ({self.predicted_peak_bytes / self.no_checkpoint_peak_bytes:.2f}x the "
@@ -235,5 +237,5 @@ def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...]) -> li
         for b in plan.blocks:
             if b.recomputed_ops and b.recomputed_bytes < SMALL_REGION_BYTES:
                 out.append(f"{b.path} recomputes {b.recomputed_ops} ops to keep out only "
-                           f"{b.recomputed_bytes / 1024:.0f} KiB: the recompute likely costs more than it saves")
+                           f"{format_size(b.recomputed_bytes, digits=0)}: the recompute likely costs more than it saves")
     return out

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ckpt_fx.measure import peak_bytes
-from ckpt_fx.setups import CPU_SETUPS, Setup, parse_setups
-from ckpt_fx.workloads import Workload
+from ckpt_fx.bench.setups import CPU_SETUPS, Setup, parse_setups
+from ckpt_fx.bench.workloads import Workload
 from passes._compat import dynamo_recompile_limit, inductor_random_as_eager, no_fx_graph_cache
 from passes.plan import step_peak_bytes
 
@@ -27,6 +27,8 @@ class Row:
     """One setup's measurements."""
 
     setup: str
+    ours: bool
+    """A ckpt setup (ours), not a peer's."""
     peak_mb: float
     peak_ratio: float
     step_s: float
@@ -95,7 +97,7 @@ def run(workload: Workload, setups: tuple[str, ...] = CPU_SETUPS, *, steps: int 
     for m in results:
         other_numbers = dropout and not fallback_random and m.setup.inductor_draws != ref.setup.inductor_draws
         rows.append(Row(
-            setup=m.setup.name, peak_mb=m.peak / 2**20, peak_ratio=m.peak / ref.peak, step_s=m.step_s,
+            setup=m.setup.name, ours=m.setup.ours, peak_mb=m.peak / 2**20, peak_ratio=m.peak / ref.peak, step_s=m.step_s,
             step_ratio=m.step_s / ref.step_s, grad_rel_diff=math.nan if other_numbers else _rel_diff(m.grads, ref.grads),
             predicted_mb=m.predicted_mb, compile_s=m.compile_s, recompute_gflop=m.recompute_gflop, error=m.error,
             grad_note=RNG_NOTE if other_numbers and m.error is None else None,
@@ -253,10 +255,10 @@ def markdown(rows: list[Row]) -> str:
 def dominators(rows: list[Row]) -> dict[str, str | None]:
     """For every peer row (a setup not of ours), the ckpt row that dominates it: peak <= and step
     time <=, the one of least peak among those; None when no ckpt row does. Failed rows take no part."""
-    ours = [r for r in rows if r.error is None and r.setup.startswith("ckpt")]
+    ours = [r for r in rows if r.error is None and r.ours]
     out: dict[str, str | None] = {}
     for r in rows:
-        if r.error is not None or r.setup.startswith("ckpt"):
+        if r.error is not None or r.ours:
             continue
         better = [o for o in ours if o.peak_mb <= r.peak_mb and o.step_s <= r.step_s]
         out[r.setup] = min(better, key=lambda o: (o.peak_mb, o.step_s)).setup if better else None
@@ -274,104 +276,3 @@ def dominance_markdown(rows: list[Row]) -> str:
 def as_dicts(rows: list[Row]) -> list[dict]:
     """The rows as plain dicts for strict JSON: a number a failed setup did not measure is None."""
     return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(r).items()} for r in rows]
-
-
-def require_matplotlib() -> None:
-    """Raise a ValueError naming the extra when matplotlib is missing (checked before any setup runs)."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install 'ckpt-fx[plot]'")
-
-
-def plot(rows: list[Row], path: str, *, title: str = "") -> None:
-    """Peak memory (MB) against step time (ms), one labelled point per setup, each budget line
-    (ours, torch's knob) drawn through its points and the Pareto front (no other setup both
-    smaller and faster) drawn through; the ratios to the first setup on the opposite axes; failed
-    setups listed under the plot. Saved as an image at `path`. Needs matplotlib."""
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in rows if r.error is None]
-    failed = [r for r in rows if r.error is not None]
-    front = pareto_front(done)
-    ms = lambda r: 1e3 * r.step_s  # noqa: E731
-    fig, ax = plt.subplots(figsize=(9, 6 + 0.22 * len(failed)))
-    for r in done:
-        ax.scatter(ms(r), r.peak_mb, color="tab:red" if r in front else "tab:gray", zorder=3)
-    lines: dict[str, list[Row]] = {}
-    for r in done:
-        head, sep, _ = r.setup.rpartition("budget:")
-        if sep:
-            lines.setdefault(head + "budget", []).append(r)
-    for name, members in lines.items():
-        if len(members) < 2:
-            continue
-        members = sorted(members, key=lambda r: r.peak_mb)
-        ax.plot([ms(r) for r in members], [r.peak_mb for r in members], alpha=0.6,
-                linestyle="--" if name.startswith("ckpt") else ":", label=name)
-    ordered = sorted(front, key=lambda r: r.step_s)
-    ax.step([ms(r) for r in ordered], [r.peak_mb for r in ordered], where="post", color="tab:red", label="Pareto front")
-    ref = rows[0] if rows and rows[0].error is None else None
-    if ref is not None:  # ratios to the first setup on the top and right axes
-        t0, m0 = ms(ref), ref.peak_mb
-        ax.secondary_xaxis("top", functions=(lambda x: x / t0, lambda x: x * t0)).set_xlabel(f"step time / {ref.setup}'s")
-        ax.secondary_yaxis("right", functions=(lambda y: y / m0, lambda y: y * m0)).set_ylabel(f"peak / {ref.setup}'s")
-    ax.set_xlabel("step time (ms, median)")
-    ax.set_ylabel("measured peak (MB)")
-    fig.suptitle(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    if failed:
-        fig.text(0.01, 0.01, "failed: " + "\n        ".join(f"{r.setup}: {r.error}"[:110] for r in failed),
-                 fontsize=7, va="bottom", family="monospace")
-    fig.tight_layout(rect=(0, 0.03 * len(failed), 1, 1))
-    _label_points(fig, ax, [(r.setup, ms(r), r.peak_mb) for r in done])
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _label_points(fig, ax, points: list[tuple[str, float, float]]) -> list:
-    """Label each point beside it where the label overlaps no label placed before it nor another
-    point and stays inside the axes: the first free one of 32 positions beside it, nearest first
-    (far ones with a line back to the point), else the least crowded of them. Returns the labels' boxes (display coordinates), in order."""
-    from matplotlib.text import Text
-    from matplotlib.transforms import Bbox
-
-    fig.canvas.draw()  # the axes' limits are settled at a draw: the points' places are final
-    renderer = fig.canvas.get_renderer()
-    frame = ax.get_window_extent(renderer)  # a label inside the axes is not cut off
-    offsets = [(dx, dy) for k in range(8) for dy in (3 + 8 * k, -9 - 8 * k) for dx in (5, -5)]
-    marks = [Bbox.from_bounds(*(ax.transData.transform((x, y)) - 5), 10, 10) for _, x, y in points]
-    taken: list = []
-    for label, x, y in points:
-        best = None
-        for dx, dy in offsets:
-            far = abs(dy) > 12  # a thin line back to its point
-            text = ax.annotate(label, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=7,
-                               ha="left" if dx > 0 else "right",
-                               arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.5"} if far else None)
-            text.update_positions(renderer)
-            box = Text.get_window_extent(text, renderer).expanded(1.02, 1.1)  # the text, not its line
-            outside = not (frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1)
-            clash = sum(box.overlaps(t) for t in taken) + sum(box.overlaps(m) for m in marks) + outside
-            if best is None or clash < best[0]:
-                if best is not None:
-                    best[1].remove()
-                best = (clash, text, box)
-            else:
-                text.remove()
-            if clash == 0:
-                break
-        taken.append(best[2])
-    return taken
-
-
-def pareto_front(rows: list[Row]) -> list[Row]:
-    """The rows no other row beats on both peak and step time."""
-    return [r for r in rows if not any(
-        o is not r and o.peak_mb <= r.peak_mb and o.step_s <= r.step_s and (o.peak_mb < r.peak_mb or o.step_s < r.step_s)
-        for o in rows)]

@@ -1,0 +1,26 @@
+"""graphs: helpers on FX graph modules that several passes share."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a graph module's graph (node names kept, each node's meta copied one level deep),
+    to plan again after passes have changed the original."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output).meta = copy.copy(gm.graph.output_node().meta)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def snapshot(gm: torch.fx.GraphModule) -> types.SimpleNamespace:
+    """A copy of a graph's nodes (names and meta kept) that later passes of torch cannot change,
+    for a prediction to walk again (Plan.at)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return types.SimpleNamespace(graph=graph)

@@ -1,0 +1,265 @@
+"""inductor_memory: how Inductor will hold a partitioned graph's memory, from its own lowering and
+scheduler and its code generator's buffer rules (Note [Inductor's own schedule]). The part of the
+project that reads Inductor's internals most deeply: the one file to check on a torch upgrade
+(tests/test_inductor_memory.py checks its predictions against measured peaks)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from passes.graphs import copy_graph_module
+
+log = logging.getLogger("ckpt_fx")
+
+# Note [Inductor's own schedule]
+# The memory pass's walk allocates every op's output, less the ops min-cut's view calls fused away
+# (memory.fused_away). Inductor does not work that way: its lowering inlines some pointwise ops
+# into each consumer and stores others (CPU: a reused exp or tanh), its scheduler fuses by its
+# own rules, moves kernels (a fused recompute runs where its earliest member stood) and reuses
+# buffers in place. Where a plan recomputes much, the walk's guess falls far short of the measured
+# peak (the README's Known limits gives figures). So under Inductor the memory pass asks Inductor
+# itself (inductor_schedule: its lowering and scheduler, no code generated) for each graph's
+# storages and the steps that allocate them and that they live through, by the code generator's
+# rules: a kernel writing in place into a buffer it last reads; a freed buffer handed to a later
+# one of the same size while Inductor's own estimate of the peak allows it (so a freed buffer can
+# stay allocated long after its last read); on a CPU, a run of generated kernels allocating
+# together and freeing after the run. The memory pass's accounting goes on top (inputs count
+# zero, saved values and incoming gradients live from the backward's start until Inductor is done
+# with their storage, outputs held). It costs Inductor's lowering and scheduling once more per
+# plan, so the budget asks it for few candidates (Note [Peak-aware budget] in passes/budget.py).
+# Where Inductor cannot be asked (another torch, an op it cannot lower here) the walk's fused
+# guess stands, and Plan.peak_model says so.
+
+
+def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> tuple[
+        int, list[tuple[int, int | None, int]], dict[str, int | None]]:
+    """How Inductor will run a partitioned graph and hold its memory, from its own lowering and
+    scheduler (what it fuses, the order it picks) and its code generator's rules for buffers (what
+    it writes in place, which freed buffer it hands to a later one); nothing is compiled.
+
+    Returns (steps, storages, input_end): each storage the graph allocates as (step that allocates
+    it, last step it lives through or None when the graph returns it, bytes): a buffer written into
+    another's storage, or given a freed one, lengthens that one's life instead of allocating; and
+    for each graph input read, the last step it lives through (a donated input whose storage a
+    buffer takes over lives as long as that buffer; None when the graph returns it). Raises where
+    this torch's Inductor cannot be asked; the caller falls back (Note [Inductor's own schedule]). `donated`: the backward's placeholders (by position) holding saved values
+    it may reuse, as AOTAutograd computes them once the partition is made (functorch's
+    donated_buffer). `gm` is lowered as it is: pass a copy."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._guards import detect_fake_mode
+    from torch._inductor import memory as inductor_memory
+    from torch._inductor.codegen.wrapper import buffer_reuse_key, can_match_buffer_size
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.scheduler import BaseSchedulerNode, Scheduler, SchedulerNode
+    from torch._inductor.utils import get_dtype_size
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake = detect_fake_mode(inputs)
+    if fake is None:
+        raise RuntimeError("the graph's inputs carry no fake tensors to lower it with")
+    # Lower and schedule only: no autotuning benchmarks, no debug folders.
+    quiet = {"trace.enabled": False, "max_autotune": False, "max_autotune_gemm": False, "benchmark_fusion": False}
+    with _disable_current_modes(), inductor_config.patch(quiet), V.set_fake_mode(fake), DebugContext():
+        graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake.shape_env, is_backward=is_backward)
+        if is_backward:  # read from the tracing context, which holds another graph's at partition time
+            graph.bw_donated_idxs = list(donated) if functorch_config.donated_buffer else []
+        with V.set_graph_handler(graph):
+            graph.run(*inputs)
+            scheduler = Scheduler(graph.operations)
+            nodes = scheduler.nodes
+            graph_inputs = OrderedSet(graph.graph_inputs.keys())
+            graph_outputs = OrderedSet(graph.get_output_names())
+            # Sizes of the final (fused, ordered) nodes' buffers, as Inductor's own peak-memory
+            # pass computes them (it may be switched off), and its estimate of each step's memory,
+            # which the code generator lets no reused buffer exceed.
+            _, freeable = inductor_memory.prepare_planning_info(
+                nodes, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
+            overall, by_step = inductor_memory.estimate_peak_memory(nodes, freeable, graph_outputs)
+            by_step = list(by_step)
+            in_place = _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode,
+                                 can_match_buffer_size)
+
+            def nbytes(buf) -> int:
+                sizevars = V.graph.sizevars
+                hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint  # renamed in torch 2.13
+                size = hint(V.graph.get_allocation_storage_size(buf.node), fallback=0)
+                return int(size) * get_dtype_size(buf.node.get_dtype())
+
+            storages: list[list[int | None]] = []  # [first step, last step, bytes]
+            owner: dict[str, int | str] = {}  # buffer -> its storage (an index, or a donated input's name)
+            input_end: dict[str, int | None] = {}
+            pool: dict[object, list[tuple[int, str]]] = {}  # freed buffers a later one of its size may take
+
+            def end(name: str, step: int | None) -> None:
+                """`name`'s storage lives through `step` at least (None: to the graph's end)."""
+                where = owner.get(name, name)
+                ends = storages[where] if isinstance(where, int) else None
+                last = ends[1] if ends is not None else input_end.get(where, -1)
+                last = None if step is None or last is None else max(last, step)
+                if ends is not None:
+                    ends[1] = last
+                else:
+                    input_end[where] = last
+
+            # The code generator's order of events (Scheduler._codegen): on a CPU, consecutive
+            # generated kernels run as one group called before the next extern kernel, so a group's
+            # buffers are all allocated before it runs and what its kernels last read is freed
+            # after it; elsewhere each kernel frees what it last read. Frees go in name order.
+            pending: list[str] = []
+            taken: set[str] = set()  # buffers whose storage a later one was written into
+            group: int | None = None  # the step a CPU group of kernels starts at
+
+            def release(at: int) -> None:
+                nonlocal group
+                for name in sorted(set(pending)):
+                    if name in graph_outputs:
+                        continue
+                    end(name, at)
+                    if name in taken:
+                        continue  # a later buffer was written into its storage: not free
+                    source = scheduler.name_to_buf.get(name) if name in owner else scheduler.name_to_donated_buffer.get(name)
+                    if (source is not None and source.node is not None and source.node.should_allocate()
+                            and name not in graph.removed_buffers):
+                        pool.setdefault(buffer_reuse_key(source.node), []).append((at, name))
+                pending.clear()
+                group = None
+
+            for step, node in enumerate(nodes):
+                extern = node.is_extern()
+                device = node.get_device()
+                on_cpu = device is not None and device.type == "cpu"
+                if extern and step > 0:
+                    release(step - 1)
+                if on_cpu and not extern and group is None:
+                    group = step
+                for buf in node.get_outputs():
+                    name = buf.get_name()
+                    if name in in_place:
+                        owner[name] = owner.get(in_place[name], in_place[name])
+                        taken.add(in_place[name])
+                        continue
+                    if not buf.mpi_buffer.size_alloc:
+                        continue  # an alias, a mutation, or fused away: no storage of its own
+                    key = buffer_reuse_key(buf.node) if buf.node.should_allocate() else None
+                    freed = pool.get(key) if key is not None and inductor_config.allow_buffer_reuse else None
+                    if freed:
+                        free_step, old = freed.pop()
+                        size = nbytes(buf)
+                        if free_step + 1 == step or size + max(by_step[free_step + 1:step], default=0) <= overall:
+                            for t in range(free_step + 1, step):
+                                by_step[t] += size
+                            owner[name] = owner.get(old, old)
+                            continue
+                        freed.append((free_step, old))
+                    owner[name] = len(storages)
+                    first = group if on_cpu and not extern else step
+                    storages.append([first, step, int(buf.mpi_buffer.size_alloc)])
+                pending.extend(node.last_usage)
+                if extern or not on_cpu:
+                    release(step)
+            release(len(nodes) - 1)
+            # A buffer read through an alias lives as long as Inductor's own timeline says.
+            infos, _, _ = inductor_memory.compute_memory_timeline(nodes, {}, graph_outputs)
+            for info in infos:
+                if info.buffer.get_name() in owner:
+                    end(info.buffer.get_name(), None if info.end_step == -1 else info.end_step)
+            for name in graph_outputs:
+                if name in owner or name in graph_inputs:
+                    end(name, None)
+            return len(nodes), [tuple(s) for s in storages], input_end
+
+
+def _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode, can_match_buffer_size) -> dict[str, str]:
+    """What Inductor's code generator writes in place (Scheduler.decide_inplace_update, decided
+    there as kernels are generated): a generated kernel's output into a buffer or a donated input
+    it is the last reader of, read at the index it writes, of the same dtype and size. {output
+    buffer: the buffer or input whose storage it takes}."""
+    readable = {**scheduler.name_to_buf, **scheduler.name_to_donated_buffer}
+    step_of = {sub: step for step, node in enumerate(nodes) for sub in node.get_nodes()}
+    in_place: dict[str, str] = {}
+    for step, node in enumerate(nodes):
+        for sub in node.get_nodes():
+            if not isinstance(sub, SchedulerNode):
+                continue
+            for out in sub.get_outputs():
+                name = out.get_name()
+                if (name in graph.removed_buffers or not out.node.should_allocate()
+                        or out.node.get_inputs_that_alias_output() or out.node.get_mutation_names()):
+                    continue
+                for read in sub.read_writes.reads:
+                    source = readable.get(read.name)
+                    if source is None or read.name in in_place.values() or read.name in graph_outputs:
+                        continue
+                    users = [u for u in source.users if isinstance(u.node, BaseSchedulerNode)]
+                    later = [u for u in users if step_of.get(u.node, -1) >= step and u.node.get_name() not in sub.ancestors]
+                    accesses = {d for u in users if step_of.get(u.node) == step
+                                for d in u.node.read_writes.reads_and_writes() if d.name == read.name}
+                    if (len(later) == 1 and later[0].can_inplace and later[0].node is sub and len(accesses) <= 1
+                            and source.node is not None and can_match_buffer_size(source.node, out.node)):
+                        in_place[name] = read.name
+                        break
+    return in_place
+
+
+
+def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry: dict[object, int],
+                     key_of: dict[torch.fx.Node, object], pinned: set[object]) -> tuple[int, int] | None:
+    """(forward peak, backward peak) from Inductor's schedules of the two graphs (Note
+    [Inductor's own schedule]), or None when Inductor could not be asked. `entry` is what is live
+    as the backward starts (saved values, incoming gradients, held outputs), by storage key;
+    `key_of` maps the backward's placeholders to those keys; `pinned` keys are never freed."""
+    # Saved values no output shares a storage with: AOTAutograd lets Inductor reuse them.
+    out_keys = {key_of.get(a) for a in bw.graph.output_node().all_input_nodes}
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    donated = tuple(i for i, n in enumerate(placeholders)
+                    if isinstance(key_of.get(n), torch.fx.Node) and key_of[n] is not n  # from the forward
+                    and key_of[n] in entry and key_of[n] not in pinned and key_of[n] not in out_keys)
+    try:
+        forward = inductor_schedule(copy_graph_module(fw), is_backward=False)
+        backward = inductor_schedule(copy_graph_module(bw), is_backward=True, donated=donated)
+    except Exception as error:  # noqa: BLE001 - any failure: the walk's own prediction stands
+        log.info("ckpt_fx: Inductor's schedule unavailable (%s: %s); the memory pass predicts fusion itself",
+                 type(error).__name__, error)
+        return None
+    # Entry storage -> the last step it lives through (None: to the end; -1: not read at all).
+    freed: dict[object, int | None] = {key: None for key in entry if key in pinned}
+    for node in bw.graph.nodes:
+        key = key_of.get(node)
+        if node.op != "placeholder" or key not in entry or key in pinned:
+            continue
+        end = backward[2].get(node.name, -1)
+        last = freed.get(key, -1)
+        freed[key] = None if end is None or last is None else max(last, end)
+    return schedule_peak(forward, entry={}, freed={}), schedule_peak(backward, entry=entry, freed=freed)
+
+
+def schedule_peak(schedule: tuple[int, list[tuple[int, int | None, int]], dict[str, int | None]], *,
+                   entry: dict[object, int], freed: dict[object, int | None]) -> int:
+    """The peak of live bytes over a schedule (Note [Inductor's own schedule]): each storage from
+    the step that allocates it through the last it lives through (None: to the end), on top of
+    `entry` (bytes live at the start by storage key, each freed after the step `freed` names: None
+    never, -1 at once, as is one not named)."""
+    steps, storages, _ = schedule
+    delta = [0] * (steps + 2)
+    for first, last, nbytes in storages:
+        delta[first] += nbytes
+        if last is not None:
+            delta[last + 1] -= nbytes
+    for key, nbytes in entry.items():
+        last = freed.get(key, -1)
+        if last is not None:
+            delta[last + 1] -= nbytes
+    live = peak = sum(entry.values())
+    for change in delta:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+

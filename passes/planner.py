@@ -1,0 +1,97 @@
+"""planner: one plan of a prepared joint graph under one per-node policy: select -> partition ->
+fold_twins -> schedule -> memory. The pipeline calls it for a fixed policy; the budget search
+(passes.budget) calls it for each candidate it judges."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from passes._compat import RECOMPUTE_KEY
+from passes.batchnorm import fold_twins
+from passes.memory import memory_pass
+from passes.partition import merges_joint, partition_pass
+from passes.plan import Planned
+from passes.policy import Policy
+from passes.regions import REGION_KEY, RegionKind, forward_nodes
+from passes.schedule import schedule_pass
+from passes.select import BY_POLICY, REASON_KEY, RECOMPUTE, select_pass
+from passes.steps import Steps
+
+log = logging.getLogger("ckpt_fx")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Joint:
+    """A joint graph the graph passes prepared (dropout, batchnorm, regions, costs), and how to
+    partition it."""
+
+    gm: torch.fx.GraphModule
+    inputs: object
+    """AOTAutograd's joint inputs, for the partitioner."""
+    num_fwd_outputs: int
+    static_lifetime_input_indices: list[int] | None
+    partitioner: str
+    """"default" or "min_cut" (passes.partition)."""
+    block_paths: tuple[str, ...]
+    """The units' names in forward order: the Plan reports each of them."""
+    steps: Steps
+
+
+def plan_policy(joint: Joint, policy: Policy, *, cse: bool | None = None) -> Planned:
+    """Decide every forward node by `policy`, partition, fold BatchNorm's twins, order the backward
+    just in time and predict the memory; the joint graph's meta holds the decisions afterwards.
+    `cse`: whether min-cut first merges identical nodes of the joint graph (passes.partition)."""
+    steps, gm = joint.steps, joint.gm
+    steps.run("select", lambda: select_pass(gm, policy=policy), gm)
+    steps.show("select", "after", gm)
+    forward_names = {n.name for n in forward_nodes(gm.graph) if n.op == "call_function"}
+    embedding_asked = sum(
+        1 for n in forward_nodes(gm.graph)
+        if n.meta.get(REASON_KEY) == BY_POLICY and n.meta.get(RECOMPUTE_KEY) in RECOMPUTE
+        and getattr(n.meta.get(REGION_KEY), "kind", None) == RegionKind.EMBEDDING
+    )
+    merged = merges_joint(gm, partitioner=joint.partitioner, cse=cse)
+    fw, bw = steps.run(
+        "partition",
+        lambda: partition_pass(gm, joint.inputs, num_fwd_outputs=joint.num_fwd_outputs,
+                               static_lifetime_input_indices=joint.static_lifetime_input_indices,
+                               partitioner=joint.partitioner, cse=cse),
+        gm,
+    )
+    steps.run("batchnorm", lambda: fold_twins(fw), fw)
+    recomputed = {n.name for n in bw.graph.nodes if n.name in forward_names}
+    bw = steps.run("schedule", lambda: schedule_pass(bw, recomputed=recomputed), bw)
+    steps.show("schedule", "after", bw)
+    steps.show("partition", "forward", fw)
+    prediction = steps.run(
+        "memory",
+        lambda: memory_pass(fw, bw, num_fwd_outputs=joint.num_fwd_outputs, forward_names=forward_names,
+                            block_paths=joint.block_paths, static_input_indices=joint.static_lifetime_input_indices,
+                            fused=joint.partitioner == "min_cut"),
+    )
+    return Planned(forward=fw, backward=bw, prediction=prediction, joint_cse=merged,
+                   recomputed_embedding_ops=embedding_asked)
+
+
+def plan_fixed(joint: Joint, policy: Policy) -> Planned:
+    """A per-node policy's plan; under min-cut, a policy that recomputes is partitioned without and
+    with min-cut's CSE of the joint graph and the plan of lower predicted peak kept, the cheaper
+    (less recomputed) on a tie (Note [CSE under recompute] in passes/partition.py)."""
+    without = plan_policy(joint, policy)
+    if without.joint_cse is not False:  # the default partition, or min-cut with nothing recomputed
+        return without
+    return _lower(without, plan_policy(joint, policy, cse=True))
+
+
+def _lower(without: Planned, merged: Planned) -> Planned:
+    """Of a plan partitioned without and with min-cut's CSE, the one of lower predicted peak; the
+    cheaper (less recomputed) on a tie."""
+    order = lambda planned: (planned.prediction.peak_bytes, planned.prediction.recompute_flops)  # noqa: E731
+    chosen = min((without, merged), key=order)
+    log.info("ckpt_fx: partitioned with and without min-cut's CSE: %.1f / %.1f MB predicted; kept %s",
+             merged.prediction.peak_bytes / 2**20, without.prediction.peak_bytes / 2**20,
+             "with" if chosen is merged else "without")
+    return chosen
