@@ -1,5 +1,5 @@
-"""Every private torch import of the project lives here, as thin shims (supported: torch 2.11 to
-2.13); Inductor's memory model, which reads Inductor's internals deeply, lives in
+"""Every private torch import of the project lives here, as thin shims (supported: torch 2.13 to
+2.15, Note [Versions of torch]); Inductor's memory model, which reads Inductor's internals deeply, lives in
 passes/inductor_memory.py. When torch moves one of these, these two files are the ones to change.
 """
 
@@ -18,12 +18,8 @@ from torch._functorch.partitioners import default_partition
 from torch._functorch.partitioners import min_cut_rematerialization_partition as min_cut_partition
 from torch._ops import HigherOrderOperator, OpOverload
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode  # ckpt_fx.fit: planning without storage
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.checkpoint import CheckpointPolicy
-
-try:  # torch >= 2.12
-    from torch.fx.experimental.symbolic_shapes import optimization_hint as _hint
-except ImportError:  # torch 2.11
-    _hint = None
 
 __all__ = [
     "activation_memory_budget",
@@ -52,6 +48,7 @@ __all__ = [
     "min_cut_partition",
     "no_fx_graph_cache",
     "OpOverload",
+    "PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT",
     "outside_fake_mode",
     "own_backend",
     "per_block_checkpointing",
@@ -66,6 +63,27 @@ __all__ = [
 
 # The meta key torch's partitioners read for per-node recompute decisions.
 RECOMPUTE_KEY = "recompute"
+
+
+# Note [Versions of torch]
+# Supported: torch 2.13 to 2.15 (what CI runs: the 2.13 CPU wheel and 2.15). What differs
+# between them is decided here, by testing for the feature, never by comparing version strings:
+# - SDPA without dropout: torch 2.15's partitioners no longer count an SDPA op called with
+#   dropout_p=0 as random (torch._functorch.partitioners.is_rng_op), so recomputing it no longer
+#   saves the CPU generator's state (5 KB) beside it; 2.13's save it
+#   (PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT). Our own hard rules already treated such a call as
+#   deterministic (select._dropout_off); the difference is only in what torch's partition adds.
+
+
+def _partitioner_knows_sdpa_without_dropout() -> bool:
+    from torch._functorch import partitioners
+
+    return hasattr(partitioners, "is_rng_op")
+
+
+PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT = _partitioner_knows_sdpa_without_dropout()
+"""Whether torch's partitioners recompute an SDPA op called with dropout_p=0 without saving the
+random generator's state (Note [Versions of torch])."""
 
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:
@@ -116,13 +134,10 @@ def size_hint(value: int | torch.SymInt, fallback: int = 1) -> int:
     """A concrete integer for a possibly symbolic size, without adding guards."""
     if isinstance(value, int):
         return value
-    if _hint is not None:
-        try:
-            return int(_hint(value, fallback=fallback))
-        except Exception:  # noqa: BLE001 - an unbacked or odd symbol: use the fallback
-            return fallback
-    hint = getattr(getattr(value, "node", None), "hint", None)
-    return int(hint) if hint is not None else fallback
+    try:
+        return int(optimization_hint(value, fallback=fallback))
+    except Exception:  # noqa: BLE001 - an unbacked or odd symbol: use the fallback
+        return fallback
 
 
 def symbols_of(value: int | torch.SymInt) -> dict[str, int]:
@@ -131,8 +146,7 @@ def symbols_of(value: int | torch.SymInt) -> dict[str, int]:
     expr, env = getattr(node, "expr", None), getattr(node, "shape_env", None)
     if expr is None or env is None:
         return {}
-    values = getattr(env, "backed_var_to_val", None)  # torch >= 2.13; var_to_val before
-    values = values if values is not None else env.var_to_val
+    values = env.backed_var_to_val
     return {str(sym): int(values[sym]) for sym in expr.free_symbols if sym in values}
 
 
@@ -240,12 +254,10 @@ def no_fx_graph_cache():
 
 
 def dynamo_recompile_limit(limit: int):
-    """A context in which Dynamo compiles a function up to `limit` times before it gives up on it
-    (config.recompile_limit; cache_size_limit before torch renamed it)."""
+    """A context in which Dynamo compiles a function up to `limit` times before it gives up on it."""
     import torch._dynamo.config as dynamo_config
 
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    return dynamo_config.patch({name: max(limit, getattr(dynamo_config, name))})
+    return dynamo_config.patch(recompile_limit=max(limit, dynamo_config.recompile_limit))
 
 
 def own_backend(name: str) -> Callable[..., Any]:

@@ -88,8 +88,7 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
 
             def nbytes(buf) -> int:
                 sizevars = V.graph.sizevars
-                hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint  # renamed in torch 2.13
-                size = hint(V.graph.get_allocation_storage_size(buf.node), fallback=0)
+                size = sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf.node), fallback=0)
                 return int(size) * get_dtype_size(buf.node.get_dtype())
 
             storages: list[list[int | None]] = []  # [first step, last step, bytes]

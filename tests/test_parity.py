@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import ckpt_fx
 from ckpt_fx import CheckpointPolicy, policies
 from passes.regions import forward_nodes
+from passes._compat import PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT
 from passes.select import hard_rule
 from tests._models import REQUIRES_CUDA, Recorder, Spec, bitwise_equal, close, inputs, make, train_step
 
@@ -196,10 +197,12 @@ def _peak_no_higher(spec, policy, batch, seq) -> None:
     assert peak(policy) <= peak("none")
 
 
-@pytest.mark.xfail(strict=True, reason="known (found by the large profile): to recompute SDPA, torch's partition "
+@pytest.mark.xfail(not PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT, strict=True,
+                   reason="known on torch 2.13 (found by the large profile): to recompute SDPA, torch's partition "
                    "saves the CPU generator state (5056 bytes; the op is tagged random even at dropout_p=0); this "
                    "block's activations are fewer bytes than that: the plan keeps 832 bytes more at the forward's "
-                   "end (predicted and measured) in a 31 KB step")
+                   "end (predicted and measured) in a 31 KB step. torch 2.15 saves no state there "
+                   "(Note [Versions of torch] in passes/_compat.py)")
 def test_regression_sdpa_block_smaller_than_the_cpu_rng_state():
     spec = Spec(depth=2, width=8, heads=1, embedding=False, attention="sdpa", mlp=False, norm=False, residual=False)
     _peak_no_higher(spec, "blocks", 2, 16)
