@@ -24,7 +24,9 @@ from passes._compat import (
     inductor_with_partitioner,
     min_cut_partition,
 )
+from passes.costs import graph_device
 from passes.graphs import copy_graph_module
+from passes.offload import OFFLOAD_KEY
 from passes.debug import debug_checks_pass
 from passes.policy import BudgetSpec, NamedPolicy, matches_path, uses_blocks
 from passes.regions import PATH_KEY
@@ -204,10 +206,12 @@ class CkptBackend:
             self.plans.append(plan)
             self._warn_if_unmatched(plan, name)
             self._warn_if_outputs_held(plan)
+            self._warn_about_offload(plan, joint, fw, name, num_fwd_outputs=kwargs["num_fwd_outputs"])
             log.info(
-                "ckpt_fx: %s: saved %.1f MB, recompute %d ops (%.2f GFLOP), predicted peak %.1f MB",
+                "ckpt_fx: %s: saved %.1f MB, offloaded %.1f MB, recompute %d ops (%.2f GFLOP), predicted peak %.1f MB",
                 name,
                 plan.saved_bytes / 2**20,
+                plan.offloaded_bytes / 2**20,
                 len(plan.recomputed),
                 plan.recompute_flops / 1e9,
                 plan.peak_bytes / 2**20,
@@ -232,6 +236,26 @@ class CkptBackend:
             "policy. For a Hugging Face model this is its KV cache: call it with use_cache=False (or set "
             "model.config.use_cache = False) when training, as its own gradient checkpointing does"
         )
+
+    def _warn_about_offload(self, plan: Plan, joint: torch.fx.GraphModule, fw: torch.fx.GraphModule, name: str, *,
+                            num_fwd_outputs: int) -> None:
+        """Warn once when values were kept in host memory on a CPU (nowhere to go: it saves
+        nothing), and when the policy asked to offload saved values torch's offload pass cannot
+        move (views, tuple elements, non-contiguous values, the graph's outputs: they stay on the
+        device)."""
+        stayed = [n.meta.get(PATH_KEY) or n.name for n in fw.graph.output_node().args[0][num_fwd_outputs:]
+                  if isinstance(n, torch.fx.Node) and n.meta.get(OFFLOAD_KEY)]
+        if plan.offloaded and graph_device(joint) == "cpu":
+            self._warn_once(
+                f"ckpt_fx: {name} keeps {len(plan.offloaded)} saved values ({format_size(plan.offloaded_bytes)}) in host "
+                "memory, but this graph runs on the CPU: there is no device memory to free, so offloading saves nothing "
+                "here (the plan runs as planned and its gradients are exact; on a GPU it lowers the device's peak)")
+        if stayed:
+            self._warn_once(
+                f"ckpt_fx: {name} asked to offload {len(stayed) + len(plan.offloaded)} saved values of this graph; "
+                f"{len(stayed)} stay on the device, as torch's offload pass moves only values an op made that are "
+                "contiguous, not views or a tuple's elements, and not returned by the graph (in "
+                f"{', '.join(sorted(set(stayed))[:3])}{' ...' if len(set(stayed)) > 3 else ''})")
 
     def _warn_if_unmatched(self, plan: Plan, name: str) -> None:
         """Warn once when a policy matched nothing in a graph that has blocks, or when an only_in

@@ -5,8 +5,9 @@
     sqrt(skip_first=0)              "sqrt"
     none()                          "none"
     graph()                         "graph"
-    budget(0.3), budget("2GiB")     "budget:0.3", "budget:2GiB"
-    selective(save=...)             "selective"
+    blocks(offload=True)            "offload", "offload:every=2,skip_first=0"
+    budget(0.3), budget("2GiB")     "budget:0.3", "budget:2GiB", "budget:20GiB,offload"
+    selective(save=...)             "selective", "selective:save=matmul+attention"
     only_in(patterns, policy)       checkpoint only inside module paths matching the patterns
 
 A checkpointed unit (a block, or a segment of consecutive blocks) saves only what leaves it (its
@@ -16,8 +17,10 @@ anything outside the stacks of repeated blocks are never recomputed by these pol
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 from passes._compat import CheckpointPolicy
 from passes.policy import BudgetSpec, NamedPolicy, NodeInfo, Policy, matches_path, uses_blocks
@@ -30,21 +33,27 @@ __all__ = ["CheckpointPolicy", "NodeInfo", "Policy", "blocks", "budget", "graph"
 SAVE = CheckpointPolicy.PREFER_SAVE
 BOUNDARY = CheckpointPolicy.MUST_SAVE
 RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+OFFLOAD = CheckpointPolicy.MUST_CPU_OFFLOAD
 
 FORMS = (
     '"blocks"',
     '"blocks:N"',
     '"blocks:every=N,skip_first=K"',
+    '"offload"',
+    '"offload:every=N,skip_first=K"',
     '"segments:N"',
     '"segments:size=N,skip_first=K"',
     '"sqrt"',
+    '"sqrt:skip_first=K"',
     '"none"',
     '"graph"',
     '"budget:0.3"',
     '"budget:2GiB"',
     '"budget:0.3,costs=measured"',
+    '"budget:20GiB,offload"',
+    '"budget:0.3,offload,bandwidth=25GB/s"',
     '"selective"',
-    '"selective:skip_first=K"',
+    '"selective:save=matmul+attention,skip_first=K"',
     "a callable (node_info) -> CheckpointPolicy",
 )
 
@@ -61,8 +70,10 @@ def _named(policy: Policy, spec: str, *, uses_blocks: bool = True, patterns: tup
     return NamedPolicy(decide=policy, spec=spec, uses_blocks=uses_blocks, patterns=patterns)
 
 
-def _units(unit_of: Callable[[Block], Hashable | None]) -> Callable[[NodeInfo], CheckpointPolicy]:
-    """A policy that recomputes the insides of every unit for which unit_of returns a key."""
+def _units(unit_of: Callable[[Block], Hashable | None], *, offload: bool = False) -> Callable[[NodeInfo], CheckpointPolicy]:
+    """A policy that recomputes the insides of every unit for which unit_of returns a key;
+    `offload`: what leaves such a unit is kept in host memory (Note [Offload] in passes/offload.py)."""
+    boundary = OFFLOAD if offload else BOUNDARY
 
     def policy(info: NodeInfo) -> CheckpointPolicy:
         if info.region != RegionKind.BLOCK or info.block is None:
@@ -72,7 +83,7 @@ def _units(unit_of: Callable[[Block], Hashable | None]) -> Callable[[NodeInfo], 
             return SAVE
         for user in info.user_blocks:
             if user is None or unit_of(user) != unit:
-                return BOUNDARY  # leaves the unit: the next unit's input
+                return boundary  # leaves the unit: the next unit's input
         return RECOMPUTE
 
     return policy
@@ -83,9 +94,11 @@ def _skipped(block: Block, skip_first: int) -> bool:
     return block.number < skip_first and not block.heavy
 
 
-def blocks(*, every: int = 1, skip_first: int = 1) -> Policy:
+def blocks(*, every: int = 1, skip_first: int = 1, offload: bool = False) -> Policy:
     """Checkpoint block i when i % every == 0, except the first skip_first blocks (i counts all
-    blocks from 0).
+    blocks from 0). `offload=True` keeps what the checkpointed blocks save (their outputs, the
+    next block's inputs) in host memory between the forward and the backward: the blocks are
+    recomputed from host copies (Unsloth's recipe; Note [Offload] in passes/offload.py).
 
     every=1 checkpoints every block after the first skip_first; every=4 is the familiar
     `if i > 0 and i % 4 == 0: checkpoint(layer)` loop. A skipped block that computes more than
@@ -99,7 +112,10 @@ def blocks(*, every: int = 1, skip_first: int = 1) -> Policy:
         i = block.number
         return i if not _skipped(block, skip_first) and i % every == 0 else None
 
-    return _named(_units(unit_of), f"blocks(every={every}, skip_first={skip_first})")
+    if not isinstance(offload, bool):
+        raise ValueError(f"blocks: offload must be True or False, got {offload!r}")
+    extra = ", offload=True" if offload else ""
+    return _named(_units(unit_of, offload=offload), f"blocks(every={every}, skip_first={skip_first}{extra})")
 
 
 def segments(*, size: int, skip_first: int = 0) -> Policy:
@@ -248,7 +264,8 @@ def _number(text: str) -> float | None:
 COSTS = ("roofline", "measured")
 
 
-def budget(limit: float | str, *, solver: str = "auto", node_limit: int = NODE_LIMIT, costs: str = "roofline") -> BudgetSpec:
+def budget(limit: float | str, *, solver: str = "auto", node_limit: int = NODE_LIMIT, costs: str = "roofline",
+           offload: bool = False, bandwidth: float | str | None = None) -> BudgetSpec:
     """The cheapest plan whose predicted peak fits `limit`.
 
     `limit` is a fraction of the activation memory of the step without checkpointing (0.3 keeps
@@ -262,6 +279,10 @@ def budget(limit: float | str, *, solver: str = "auto", node_limit: int = NODE_L
     A limit no candidate fits raises passes.solve.Infeasible naming the smallest feasible one.
     `costs` is how a recompute is priced: "roofline" (FLOPs and bytes on the device's roofline) or
     "measured" (each distinct op timed once on random tensors of its shapes while planning).
+    `offload=True` lets the plan keep saved values in host memory too: per value, save, recompute
+    or offload, a copy priced by `bandwidth` (a number in GB/s, or a text like "25GB/s", "24GiB/s";
+    default torch's activation_offload_cpu_gpu_bw) where compute does not hide it (Note [Offload
+    in the recompute problem] in passes/solve.py). The limit is then the device's.
     """
     from passes.solve import SOLVERS
 
@@ -272,10 +293,34 @@ def budget(limit: float | str, *, solver: str = "auto", node_limit: int = NODE_L
         raise ValueError(f"budget: node_limit must be a whole number >= 1, got {node_limit!r}")
     if costs not in COSTS:
         raise ValueError(f"budget: unknown costs {costs!r}; valid: {', '.join(COSTS)}")
+    if not isinstance(offload, bool):
+        raise ValueError(f"budget: offload must be True or False, got {offload!r}")
+    if bandwidth is not None and not offload:
+        raise ValueError("budget: bandwidth prices host copies; it needs offload=True (\"budget:0.3,offload,bandwidth=25GB/s\")")
+    speed = parse_bandwidth(bandwidth) if bandwidth is not None else None
     shown = f"{fraction:g}" if fraction is not None else f"{limit.strip()!r}"  # type: ignore[union-attr]
     extra = ("" if solver == "auto" else f", solver={solver!r}") + ("" if costs == "roofline" else f", costs={costs!r}")
+    extra += (", offload=True" if offload else "") + (f", bandwidth={bandwidth!r}" if bandwidth is not None else "")
     return BudgetSpec(spec=f"budget({shown}{extra})", fraction=fraction, nbytes=nbytes, shown=shown, solver=solver,
-                      node_limit=node_limit, costs=costs)
+                      node_limit=node_limit, costs=costs, offload=offload, bandwidth=speed)
+
+
+def parse_bandwidth(value: float | str) -> float:
+    """Bytes per second from a number of GB/s (25 means 25e9 bytes/s) or a text such as "25GB/s",
+    "24GiB/s", "25" (GB/s); ValueError naming what is allowed otherwise."""
+    if isinstance(value, str):
+        text = value.strip()
+        number = _number(text)
+        if number is not None:
+            return parse_bandwidth(number)
+        size = parse_size(text[:-2]) if text.lower().endswith("/s") else None
+        if size is None:
+            raise ValueError(f"bandwidth: cannot read {value!r}; write a number of GB/s like 25, or a rate like "
+                             f"'25GB/s', '24GiB/s' (units: {', '.join(UNITS)})")
+        return float(size)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"bandwidth: must be a finite number of GB/s > 0, or a rate like '25GB/s', got {value!r}")
+    return float(value) * 1e9
 
 
 def only_in(patterns: str | Sequence[str], policy: Policy | str) -> Policy:
@@ -308,22 +353,71 @@ def policy_name(policy: Policy) -> str:
     return getattr(policy, "__qualname__", None) or repr(policy)
 
 
-def _kwargs(factory: str, text: str, positional: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        key, eq, value = part.partition("=")
-        key, value = (key.strip(), value.strip()) if eq else (positional, key.strip())
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise ValueError(f"policy {factory!r}: {key}={value!r} is not an integer") from None
-    return out
+@dataclass(frozen=True, kw_only=True)
+class _Form:
+    """How a policy is written as text: its factory, the keyword a bare value stands for, and the
+    keywords it takes with how each is read."""
+
+    factory: Callable[..., Policy]
+    shown: str
+    """The forms, e.g. '"blocks", "blocks:N", "blocks:every=N,skip_first=K"'."""
+    positional: str | None = None
+    keywords: dict[str, Callable[[str], object]] = field(default_factory=dict)
+    required: str | None = None
+
+
+def _whole(text: str) -> int:
+    return int(text)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """'matmul+attention' -> ("matmul", "attention")."""
+    return tuple(x.strip() for x in text.split("+") if x.strip())
+
+
+_TEXT_FORMS = {
+    "blocks": _Form(factory=lambda **k: blocks(**k), positional="every", keywords={"every": _whole, "skip_first": _whole},
+                    shown='"blocks", "blocks:N", "blocks:every=N,skip_first=K"'),
+    "offload": _Form(factory=lambda **k: blocks(offload=True, **k), positional="every",
+                     keywords={"every": _whole, "skip_first": _whole}, shown='"offload", "offload:every=N,skip_first=K"'),
+    "segments": _Form(factory=lambda **k: segments(**k), positional="size", keywords={"size": _whole, "skip_first": _whole},
+                      required="size", shown='"segments:N", "segments:size=N,skip_first=K"'),
+    "sqrt": _Form(factory=lambda **k: sqrt(**k), keywords={"skip_first": _whole}, shown='"sqrt", "sqrt:skip_first=K"'),
+    "none": _Form(factory=lambda: none(), shown='"none"'),
+    "graph": _Form(factory=lambda: graph(), shown='"graph"'),
+    "selective": _Form(factory=lambda **k: selective(**k), keywords={"save": _names, "skip_first": _whole},
+                       shown='"selective", "selective:save=matmul+attention,skip_first=K" (save: op classes '
+                             + ", ".join(OP_CLASSES) + ", aten op names or module path patterns, joined by +)"),
+}
+
+
+def _parse_budget(spec: str, args: str) -> BudgetSpec:
+    shown = '"budget:0.3", "budget:2GiB", "budget:0.3,costs=measured|roofline,solver=auto|milp|greedy|parts", ' \
+            '"budget:20GiB,offload,bandwidth=25GB/s"'
+    limit, *options = [a.strip() for a in args.split(",")]
+    if not limit:
+        raise ValueError(f"policy {spec!r}: budget needs a limit; budget is written {shown}")
+    settings: dict[str, object] = {}
+    for option in options:
+        key, sep, value = (part.strip() for part in option.partition("="))
+        if key == "offload" and not sep:
+            settings["offload"] = True
+        elif sep and key in ("costs", "solver", "bandwidth"):
+            settings[key] = value
+        else:
+            raise ValueError(f"policy {spec!r}: budget takes a limit, then costs=..., solver=..., offload, bandwidth=...; "
+                             f"got {option!r}; budget is written {shown}")
+    try:
+        return budget(limit, **settings)
+    except ValueError as error:
+        raise ValueError(f"policy {spec!r}: {error}; budget is written {shown}") from None
 
 
 def parse(spec: str | Policy | None) -> Policy:
     """A policy from a string, a callable or None (the default, "blocks").
 
-    Raises ValueError naming the bad value and listing the valid forms.
+    Raises ValueError naming the bad value and the form it expected (or, for an unknown name,
+    every valid form).
     """
     if spec is None:
         return blocks()
@@ -332,34 +426,33 @@ def parse(spec: str | Policy | None) -> Policy:
     if not isinstance(spec, str):
         raise ValueError(f"policy must be a string or a callable, got {spec!r}; valid forms: {', '.join(FORMS)}")
     name, _, args = spec.strip().partition(":")
-    name = name.strip().lower()
+    name, args = name.strip().lower(), args.strip()
     if name == "budget":
-        if not args.strip():
-            raise ValueError(f"policy 'budget' needs a limit, e.g. \"budget:0.3\" or \"budget:2GiB\"; valid forms: {', '.join(FORMS)}")
-        limit, *options = [a.strip() for a in args.split(",")]
-        settings = {}
-        for option in options:
-            key, sep, value = option.partition("=")
-            if not sep or key.strip() not in ("costs", "solver"):
-                raise ValueError(f"policy {spec!r}: budget takes a limit then costs=... or solver=..., got {option!r}; "
-                                 f"valid forms: {', '.join(FORMS)}")
-            settings[key.strip()] = value.strip()
-        return budget(limit, **settings)
-    factories = {"blocks": (blocks, "every"), "segments": (segments, "size"), "sqrt": (sqrt, None), "none": (none, None),
-                 "graph": (graph, None), "selective": (selective, None)}
-    if name not in factories:
-        hint = [k for k in (*factories, "budget") if k.startswith(name[:2])] if name else []
-        did = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return _parse_budget(spec, args)
+    form = _TEXT_FORMS.get(name)
+    if form is None:
+        close = difflib.get_close_matches(name, [*_TEXT_FORMS, "budget"], n=1)
+        did = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown policy {spec!r}{did}; valid forms: {', '.join(FORMS)}")
-    factory, positional = factories[name]
-    if not args:
-        if name == "segments":
-            raise ValueError(f"policy 'segments' needs a size, e.g. \"segments:4\"; valid forms: {', '.join(FORMS)}")
-        return factory()
-    if positional is None and "=" not in args:
-        raise ValueError(f"policy {name!r} takes no positional argument, got {spec!r}; valid forms: {', '.join(FORMS)}")
-    kwargs = _kwargs(name, args, positional or "")
+    kwargs: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in args.split(","))):
+        key, eq, value = (x.strip() for x in part.partition("="))
+        if not eq:
+            key, value = form.positional, key
+            if key is None:
+                raise ValueError(f"policy {spec!r}: {name} takes no bare value, got {part!r}; {name} is written {form.shown}")
+        if key not in form.keywords:
+            valid = ", ".join(form.keywords) or "none"
+            raise ValueError(f"policy {spec!r}: {name} has no setting {key!r} (its settings: {valid}); "
+                             f"{name} is written {form.shown}")
+        try:
+            kwargs[key] = form.keywords[key](value)
+        except ValueError:
+            what = "a whole number" if form.keywords[key] is _whole else "readable"
+            raise ValueError(f"policy {spec!r}: {key}={value!r} is not {what}; {name} is written {form.shown}") from None
+    if form.required is not None and form.required not in kwargs:
+        raise ValueError(f"policy {spec!r}: {name} needs {form.required}; {name} is written {form.shown}")
     try:
-        return factory(**kwargs)
-    except TypeError:
-        raise ValueError(f"policy {spec!r}: unknown argument in {sorted(kwargs)}; valid forms: {', '.join(FORMS)}") from None
+        return form.factory(**kwargs)
+    except ValueError as error:
+        raise ValueError(f"policy {spec!r}: {error}; {name} is written {form.shown}") from None

@@ -49,33 +49,38 @@ class Report:
         """The report as text; `top` lists only the largest `top` saved tensors."""
         mb = 2**20
         out = [f"ckpt_fx plan: {self.policy}, {len(self.plans)} graph(s), inner compiler {self.compiler}", ""]
-        out.append("| unit | saved MB | recomputed ops | recomputed MB | recompute GFLOP |")
-        out.append("|---|---:|---:|---:|---:|")
-        in_units = 0
+        out.append("| unit | saved MB | offloaded MB | recomputed ops | recomputed MB | recompute GFLOP |")
+        out.append("|---|---:|---:|---:|---:|---:|")
+        in_units = in_units_host = 0
         for plan in self.plans:
             for b in plan.blocks:
                 in_units += b.saved_bytes
-                out.append(f"| {b.path} | {b.saved_bytes / mb:.2f} | {b.recomputed_ops} | {b.recomputed_bytes / mb:.2f} | "
-                           f"{b.recompute_flops / 1e9:.3f} |")
+                in_units_host += b.offloaded_bytes
+                out.append(f"| {b.path} | {b.saved_bytes / mb:.2f} | {b.offloaded_bytes / mb:.2f} | {b.recomputed_ops} | "
+                           f"{b.recomputed_bytes / mb:.2f} | {b.recompute_flops / 1e9:.3f} |")
         saved = [s for plan in self.plans for s in plan.saved if not s.is_input]
         total = sum(p.saved_bytes for p in self.plans)  # views share their base's bytes
-        out.append(f"| (outside the units) | {max(0, total - in_units) / mb:.2f} | - | - | - |")
+        host = sum(p.offloaded_bytes for p in self.plans)
+        out.append(f"| (outside the units) | {max(0, total - in_units) / mb:.2f} | {max(0, host - in_units_host) / mb:.2f} "
+                   "| - | - | - |")
         out.append("")
         inputs = sum(1 for plan in self.plans for s in plan.saved if s.is_input)
-        out.append(f"saved activations: {len(saved)} tensors, {total / mb:.2f} MB "
-                   f"(plus {inputs} parameters/inputs kept by reference)")
+        moved = sum(1 for s in saved if s.offloaded)
+        out.append(f"saved activations: {len(saved) - moved} tensors, {total / mb:.2f} MB on the device"
+                   + (f"; {moved} tensors, {host / mb:.2f} MB in host memory (offloaded)" if moved else "")
+                   + f" (plus {inputs} parameters/inputs kept by reference)")
         names = {s.name for s in saved}
         shared = lambda s: s.view_of is not None and s.view_of in names  # noqa: E731 - its bytes are its base's row
         listed = sorted(saved, key=lambda s: -(0 if shared(s) else s.nbytes))[:top] if top is not None else saved
         for s in listed:
             shape = "x".join(map(str, s.shape)) or "scalar"
             dtype = str(s.dtype).replace("torch.", "")
-            size = f"view of {s.view_of}" if shared(s) else f"{s.nbytes / mb:8.3f} MB"
+            size = f"view of {s.view_of}" if shared(s) else f"{s.nbytes / mb:8.3f} MB" + (" (host)" if s.offloaded else "")
             out.append(f"  {s.module_path or '<top>':40s} {_described(s.op):40s} {shape:>18s} {dtype:8s} {size}")
         if top is not None and len(saved) > top:
             out.append(f"  ... and {len(saved) - top} smaller ones")
         out.append("")
-        line = f"predicted peak: {self.predicted_peak_bytes / mb:.1f} MB"
+        line = f"predicted {'device ' if host else ''}peak: {self.predicted_peak_bytes / mb:.1f} MB"
         if any(p.peak_model == PeakModel.INDUCTOR for p in self.plans):
             line += " from Inductor's own schedule"
         if self.no_checkpoint_peak_bytes:

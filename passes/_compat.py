@@ -28,25 +28,30 @@ __all__ = [
     "boxed_nop",
     "cache_hash",
     "CheckpointPolicy",
+    "CPU_OFFLOAD_PREFIX",
     "default_partition",
     "dynamo_recompile_limit",
     "FakeCopyMode",
     "FakeTensor",
     "FakeTensorMode",
+    "GPU_RELOAD_PREFIX",
     "has_inductor_partitioner_hook",
     "HigherOrderOperator",
     "inductor_random_as_eager",
     "inductor_with_partitioner",
+    "insert_offloads",
     "is_fusible",
     "is_impure_not_random",
     "is_primal",
     "is_tangent",
     "memory_events",
+    "offload_bandwidth",
     "op_schema",
     "op_short_name",
     "mark_dynamic",
     "min_cut_partition",
     "no_fx_graph_cache",
+    "OFFLOAD_OPS",
     "OpOverload",
     "PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT",
     "outside_fake_mode",
@@ -233,6 +238,45 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None) -
             return compile_fx(gm, example_inputs)
 
     return compile_with_partitioner
+
+
+# torch's names for the copies its offload pass inserts (it identifies them by these prefixes).
+CPU_OFFLOAD_PREFIX = "cpu_offload_"
+GPU_RELOAD_PREFIX = "gpu_reload_"
+
+
+def _offload_ops() -> dict[str, Any]:
+    import torch._functorch._activation_offloading.offload_ops  # noqa: F401 - registers the ao ops
+
+    return {"offload": torch.ops.ao.offload.default, "reload": torch.ops.ao.reload.default,
+            "wait": torch.ops.ao.wait_tensor.default}
+
+
+OFFLOAD_OPS = _offload_ops()
+"""torch's asynchronous copy ops (ao.offload, ao.reload, ao.wait_tensor), by role."""
+
+
+def insert_offloads(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, num_fwd_outputs: int,
+                    static_inputs: list[torch.fx.Node], streams: bool) -> None:
+    """torch's offload pass on partitioned graphs: each forward output marked should_offload is
+    copied to host memory after its last forward use and back before its first backward use;
+    `streams`: asynchronous copies on a transfer stream (ao ops; a GPU), else synchronous
+    device_put. Waits are left where torch puts them (no sink, no prefetch)."""
+    import torch._functorch.config as functorch_config
+    from torch._functorch._activation_offloading.activation_offloading import enable_activation_offloading
+    from torch.utils._ordered_set import OrderedSet
+
+    with functorch_config.patch(activation_offload_separate_stream=streams, activation_offload_sink_wait=False,
+                                activation_reload_prefetch=False):
+        enable_activation_offloading(fw, bw, num_fwd_outputs, OrderedSet(static_inputs))
+
+
+def offload_bandwidth() -> float:
+    """Bytes per second torch assumes a copy between host and device moves
+    (torch._functorch.config.activation_offload_cpu_gpu_bw, in GiB/s)."""
+    import torch._functorch.config as functorch_config
+
+    return float(functorch_config.activation_offload_cpu_gpu_bw) * 2**30
 
 
 def inductor_random_as_eager(on: bool = True):

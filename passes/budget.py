@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from passes._compat import CheckpointPolicy, activation_memory_budget
+from passes._compat import CheckpointPolicy, activation_memory_budget, offload_bandwidth
 from passes.costs import agreed_costs, graph_device, is_multi_output, is_view, measured_costs, recompute_cost, roofline_cost, BYTES_KEY
 from passes.memory import JointLiveness
+from passes.offload import offloadable
 from passes.plan import Choice, Estimate, Planned, Source
 from passes.planner import Joint, plan_policy
 from passes.policy import BudgetSpec
@@ -79,17 +80,25 @@ def build_problem(
     hard_rules: dict[str, Reason],
     costs: str = "roofline",
     fused: bool = False,
+    bandwidth: float | None = None,
+    num_fwd_outputs: int | None = None,
 ) -> Graph:
     """The recompute Problem of a joint graph whose nodes carry regions and costs. `costs`:
     "roofline" (Note [Roofline cost] in passes/costs.py; `fused` prices the ops Inductor fuses as
-    their extra reads) or "measured" (each op timed; rank 0's timings under a process group)."""
+    their extra reads) or "measured" (each op timed; rank 0's timings under a process group).
+    `bandwidth` (bytes per second), when given, lets the values torch's offload pass can move be
+    offloaded, a copy priced at its bytes over it (Note [Offload in the recompute problem] in
+    passes/solve.py); the first `num_fwd_outputs` outputs of the joint graph are the user's and
+    stay."""
     device = graph_device(gm)
+    user_outputs = set(gm.graph.output_node().args[0][:num_fwd_outputs]) if num_fwd_outputs is not None else set()
     cost = measured_costs(device) if costs == "measured" else (lambda n: roofline_cost(n, device, fused=fused))
     fwd = forward_nodes(gm.graph)
     fwd_set = set(fwd)
     nodes = tuple(n for n in fwd if n.op == "call_function")
     index = {n: i for i, n in enumerate(nodes)}
     names, nbytes, prices, inputs, needed, saveable, recomputable = [], [], [], [], [], [], []
+    movable, transfer, group = [], [], []
     for node in nodes:
         names.append(node.name)
         view_or_tuple = is_view(node) or is_multi_output(node) or isinstance(node.meta.get("val"), (tuple, list))
@@ -100,6 +109,12 @@ def build_problem(
         saveable.append(not view_or_tuple)
         region = node.meta.get(REGION_KEY)
         recomputable.append(node.name not in hard_rules and not (region is not None and region.kind == RegionKind.EMBEDDING))
+        # Hard-ruled values are saved before any policy is asked (select_pass): not the plan's to move.
+        movable.append(bandwidth is not None and not view_or_tuple and node.name not in hard_rules
+                       and offloadable(node, user_outputs=user_outputs))
+        transfer.append(nbytes[-1] / bandwidth if bandwidth else 0.0)
+        block = _block_of(node)
+        group.append(block.number if block is not None else -1)
     edges = _boundaries(nodes, index, saveable)
     for i in edges:
         recomputable[i] = False
@@ -109,6 +124,7 @@ def build_problem(
     problem = Problem(
         names=tuple(names), nbytes=tuple(nbytes), cost=tuple(prices), inputs=tuple(inputs),
         needed=tuple(needed), saveable=tuple(saveable), recomputable=tuple(recomputable),
+        offloadable=tuple(movable), transfer=tuple(transfer), group=tuple(group),
     )
     return Graph(problem=problem, nodes=nodes, boundaries=frozenset(edges))
 
@@ -144,8 +160,8 @@ def baseline_bytes(problem: Problem) -> int:
 
 
 def decisions(graph: Graph, solution: Solution, *, fused: bool = False) -> dict[str, CheckpointPolicy]:
-    """MUST_RECOMPUTE for recomputed values; MUST_SAVE for saved ones; PREFER_SAVE for the rest
-    (values the backward never reads).
+    """MUST_RECOMPUTE for recomputed values; MUST_CPU_OFFLOAD for offloaded ones; MUST_SAVE for
+    saved ones; PREFER_SAVE for the rest (values the backward never reads).
 
     `fused` (min-cut partition, Note [Min-cut under Inductor]): only block edges are MUST_SAVE, and
     only when the plan recomputes something; the other saved values are PREFER_SAVE, so min-cut may
@@ -155,6 +171,8 @@ def decisions(graph: Graph, solution: Solution, *, fused: bool = False) -> dict[
     for i, node in enumerate(graph.nodes):
         if i in solution.recomputed:
             out[node.name] = CheckpointPolicy.MUST_RECOMPUTE
+        elif i in solution.offloaded:
+            out[node.name] = CheckpointPolicy.MUST_CPU_OFFLOAD
         elif i in solution.saved and (not fused or (solution.recomputed and i in graph.boundaries)):
             out[node.name] = CheckpointPolicy.MUST_SAVE
         else:
@@ -171,6 +189,8 @@ class Candidate:
     solution: Solution
     recomputed: frozenset[str]
     """Names of the forward nodes it recomputes."""
+    offloaded: frozenset[str] = frozenset()
+    """Names of the forward nodes whose values it keeps in host memory."""
 
     def __call__(self, info) -> CheckpointPolicy:
         return self.decisions[info.name]
@@ -185,8 +205,10 @@ class Candidates:
     pointwise costs, decisions(fused=True))."""
 
     def __init__(self, gm: torch.fx.GraphModule, *, hard_rules: dict[str, Reason], grid: tuple[float, ...], solver: str,
-                 node_limit: int, costs: str = "roofline", fused: bool = False):
-        self.graph = build_problem(gm, hard_rules=hard_rules, costs=costs, fused=fused)
+                 node_limit: int, costs: str = "roofline", fused: bool = False, bandwidth: float | None = None,
+                 num_fwd_outputs: int | None = None):
+        self.graph = build_problem(gm, hard_rules=hard_rules, costs=costs, fused=fused, bandwidth=bandwidth,
+                                   num_fwd_outputs=num_fwd_outputs)
         self.grid, self.solver, self.node_limit, self.fused = grid, solver, node_limit, fused
         self.base = baseline_bytes(self.graph.problem)
         self._made: dict[int, Candidate] = {}
@@ -224,26 +246,30 @@ class Candidates:
                 self._made[i] = self[len(self) - 1]
                 return self._made[i]
             chosen = decisions(self.graph, solution, fused=self.fused)
-            self._made[i] = Candidate(decisions=chosen, solution=solution, recomputed=frozenset(
-                n for n, d in chosen.items() if d == CheckpointPolicy.MUST_RECOMPUTE))
+            self._made[i] = Candidate(
+                decisions=chosen, solution=solution,
+                recomputed=frozenset(n for n, d in chosen.items() if d == CheckpointPolicy.MUST_RECOMPUTE),
+                offloaded=frozenset(n for n, d in chosen.items() if d == CheckpointPolicy.MUST_CPU_OFFLOAD))
         return self._made[i]
 
     def __iter__(self) -> Iterator[Candidate]:
         seen = set()
         for i in range(len(self)):
             candidate = self[i]
-            key = (candidate.solution.saved, candidate.solution.recomputed)
+            key = (candidate.solution.saved, candidate.solution.recomputed, candidate.solution.offloaded)
             if key not in seen:
                 seen.add(key)
                 yield candidate
 
-
     @classmethod
-    def of(cls, spec: BudgetSpec, gm: torch.fx.GraphModule, hard_rules: dict[str, Reason], *, fused: bool) -> Candidates:
+    def of(cls, spec: BudgetSpec, joint: Joint, hard_rules: dict[str, Reason], *, fused: bool) -> Candidates:
         """The candidates a budget offers for a joint graph: on the finer grid under min-cut, whose
-        candidates are searched by bisection (Note [Peak-aware budget])."""
-        return cls(gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=spec.solver,
-                   node_limit=spec.node_limit, costs=spec.costs, fused=fused)
+        candidates are searched by bisection (Note [Peak-aware budget]); with offload, priced at
+        the spec's bandwidth or torch's."""
+        bandwidth = (spec.bandwidth or offload_bandwidth()) if spec.offload else None
+        return cls(joint.gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=spec.solver,
+                   node_limit=spec.node_limit, costs=spec.costs, fused=fused, bandwidth=bandwidth,
+                   num_fwd_outputs=joint.num_fwd_outputs)
 
 
 NOTHING_TO_LOWER = 0.01
@@ -330,12 +356,12 @@ def _by_walk(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) -> t
     steps, gm = joint.steps, joint.gm
     liveness = steps.run("memory", lambda: JointLiveness(
         gm, num_fwd_outputs=joint.num_fwd_outputs, static_input_indices=joint.static_lifetime_input_indices))
-    offered = iter(steps.run("solve", lambda: Candidates.of(spec, gm, hard_rules, fused=False)))
+    offered = iter(steps.run("solve", lambda: Candidates.of(spec, joint, hard_rules, fused=False)))
     chooser: Chooser | None = None
     first = lowest = None
     lowest_peak = 0
     while (candidate := steps.run("solve", lambda: next(offered, None))) is not None:
-        estimate = steps.run("memory", lambda: liveness.estimate(candidate.recomputed))
+        estimate = steps.run("memory", lambda: liveness.estimate(candidate.recomputed, candidate.offloaded))
         if chooser is None:
             first, chooser = candidate, Chooser(spec, base=estimate)
         if lowest is None or estimate.peak_bytes < lowest_peak:
@@ -378,14 +404,14 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
             chooser = chooser.with_ceiling(knob.prediction.peak_bytes)
             if found is not None and base.prediction.peak_bytes > chooser.ceiling:
                 found = None
-    offered = steps.run("solve", lambda: Candidates.of(spec, gm, hard_rules, fused=True))
+    offered = steps.run("solve", lambda: Candidates.of(spec, joint, hard_rules, fused=True))
     planned: dict[tuple, tuple[Planned, str]] = {}  # each distinct plan partitioned once, with its solver
 
     def plan(i: int) -> Planned:
         candidate = steps.run("solve", lambda: offered[i])
-        if not candidate.recomputed:
+        if not candidate.recomputed and not candidate.offloaded:
             return base
-        key = (candidate.solution.saved, candidate.solution.recomputed)
+        key = (candidate.solution.saved, candidate.solution.recomputed, candidate.solution.offloaded)
         if key not in planned:
             planned[key] = (plan_policy(joint, candidate), candidate.solution.solver)
         return planned[key][0]

@@ -8,11 +8,12 @@ import operator
 
 import torch
 
-from passes._compat import OpOverload, is_primal, is_tangent, op_short_name, size_at, size_hint, symbols_of
+from passes._compat import CPU_OFFLOAD_PREFIX, OpOverload, is_primal, is_tangent, op_short_name, size_at, size_hint, symbols_of
 from passes.costs import fuses, is_view, node_flops, tensor_bytes
 from passes.graphs import snapshot
 from passes.inductor_memory import scheduled_peaks
 from passes.liveness import just_in_time, walk
+from passes.offload import on_host
 from passes.plan import BlockPlan, Estimate, PeakModel, Prediction, SavedTensor
 from passes.regions import PATH_KEY, REGION_KEY
 
@@ -69,7 +70,9 @@ def _walk(
     def allocates(node: torch.fx.Node) -> int | None:
         if node.op != "call_function" or is_view(node) or key_of[node] is not node:
             return None
-        return 0 if fused and fused_away(node) else tensor_bytes(node.meta.get("val"), sizes)
+        if on_host(node) or (fused and fused_away(node)):
+            return 0  # a copy in host memory, or fused into its consumers: no device storage
+        return tensor_bytes(node.meta.get("val"), sizes)
 
     return walk(nodes[:end], key=key_of.__getitem__, reads=lambda n: {key_of[a] for a in n.all_input_nodes} | {key_of[n]},
                 allocates=allocates, live=live, pinned=pinned, held=held)
@@ -111,9 +114,12 @@ def memory_pass(
     static_input_indices: list[int] | None = None,
     sizes: dict[str, int] | None = None,
     fused: bool = False,
+    offloaded: tuple[str, ...] = (),
 ) -> Prediction:
     """Walk the forward then the backward (Note [What the predicted peak counts]); return what
-    they save and recompute and the peaks they reach.
+    they save, recompute and offload and the device peaks they reach.
+    `offloaded`: the saved values offload_pass moved to host memory (their copies count no device
+    bytes; Note [Offload] in passes/offload.py).
 
     `fused`: the graphs run under Inductor (Note [Predicting a fused graph]).
     `block_paths` lists the units in forward order; the Plan reports each of them in that order.
@@ -136,23 +142,27 @@ def memory_pass(
     user_outputs, saved_nodes = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
     by_name = {n.name: n for n in fw.graph.nodes}
 
+    copied = {CPU_OFFLOAD_PREFIX + name: by_name[name] for name in offloaded}  # the host copy -> its value
     saved: list[SavedTensor] = []
     for node in saved_nodes:
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):
             continue
-        region = node.meta.get(REGION_KEY)
+        source = copied.get(node.name, node)
+        region = source.meta.get(REGION_KEY)
         saved.append(
             SavedTensor(
-                name=node.name,
-                module_path=node.meta.get(PATH_KEY, ""),
+                name=source.name,
+                module_path=source.meta.get(PATH_KEY, ""),
                 block=region.block.name if region is not None and region.block is not None else None,
-                op=op_name(node),
+                op=op_name(source),
                 shape=tuple(size_at(d, sizes) if sizes else size_hint(d) for d in value.shape),
                 dtype=value.dtype,
                 nbytes=tensor_bytes(value, sizes),
                 is_input=isinstance(key_of[node], tuple),
-                view_of=key_of[node].name if isinstance(key_of[node], torch.fx.Node) and key_of[node] is not node else None,
+                view_of=None if source is not node else (
+                    key_of[node].name if isinstance(key_of[node], torch.fx.Node) and key_of[node] is not node else None),
+                offloaded=source is not node,
             )
         )
     forward_end = sum(fw_live.values())
@@ -179,7 +189,9 @@ def memory_pass(
     bw_entry = dict(bw_live)
     bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned, sizes=sizes, fused=fused)
     peak_model = PeakModel.WALK
-    if fused and not sizes:  # at the sizes the graphs were traced with: Inductor can be asked
+    # At the sizes the graphs were traced with Inductor can be asked; not of host copies, which
+    # its storages would count as the device's.
+    if fused and not sizes and not offloaded:
         scheduled = scheduled_peaks(fw, bw, entry=bw_entry, key_of=bw_key, pinned=pinned)
         if scheduled is not None:
             fw_peak, bw_peak = scheduled
@@ -195,17 +207,17 @@ def memory_pass(
     }
 
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
-    per_block: dict[str, list[int]] = {path: [0, 0, 0, 0] for path in block_paths}
+    per_block: dict[str, list[int]] = {path: [0, 0, 0, 0, 0] for path in block_paths}
     for s in saved:
         if s.block is not None and not s.is_input:
-            per_block.setdefault(s.block, [0, 0, 0, 0])[0] += s.nbytes
+            per_block.setdefault(s.block, [0, 0, 0, 0, 0])[4 if s.offloaded else 0] += s.nbytes
     flops = 0
     for node in recomputed:
         f = node_flops(node)
         flops += f
         region = node.meta.get(REGION_KEY)
         if region is not None and region.block is not None:
-            entry = per_block.setdefault(region.block.name, [0, 0, 0, 0])
+            entry = per_block.setdefault(region.block.name, [0, 0, 0, 0, 0])
             entry[1] += 1
             entry[2] += f
             entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"), sizes)
@@ -218,7 +230,8 @@ def memory_pass(
         saved=tuple(saved),
         recomputed=tuple(n.name for n in recomputed),
         blocks=tuple(
-            BlockPlan(path=p, saved_bytes=v[0], recomputed_ops=v[1], recompute_flops=v[2], recomputed_bytes=v[3])
+            BlockPlan(path=p, saved_bytes=v[0], recomputed_ops=v[1], recompute_flops=v[2], recomputed_bytes=v[3],
+                      offloaded_bytes=v[4])
             for p, v in per_block.items()
         ),
         saved_bytes=saved_bytes,
@@ -229,9 +242,11 @@ def memory_pass(
         forward_end_bytes=forward_end,
         gradient_bytes=sum(grads.values()),
         step_flops=step_flops,
+        offloaded=tuple(offloaded),
+        offloaded_bytes=sum(s.nbytes for s in saved if s.offloaded),
         symbols=symbols,
         at=functools.partial(_predict_at, snapshot(fw), snapshot(bw), num_fwd_outputs=num_fwd_outputs,
-                             forward_names=forward_names, block_paths=block_paths,
+                             forward_names=forward_names, block_paths=block_paths, offloaded=offloaded,
                              static_input_indices=static_input_indices, fused=fused) if symbols else None,
     )
 
@@ -337,9 +352,12 @@ class JointLiveness:
             i for i in self.backward if i >= first or nodes[i].target is torch.ops.aten.copy_.default
         ]
 
-    def estimate(self, recomputed: set[str] | frozenset[str]) -> Estimate:
-        """Peak and parameter-gradient bytes when the forward nodes named in `recomputed` are
-        recomputed wherever the backward needs them and every other forward value it needs is saved."""
+    def estimate(self, recomputed: set[str] | frozenset[str], offloaded: set[str] | frozenset[str] = frozenset()) -> Estimate:
+        """Device peak and parameter-gradient bytes when the forward nodes named in `recomputed` are
+        recomputed wherever the backward needs them and every other forward value it needs is
+        saved; the saved ones named in `offloaded` leave the device after their last forward use
+        and come back just before their first backward use (Note [Offload] in passes/offload.py,
+        its copies waited for at once)."""
         rec = {self.names[n] for n in recomputed if n in self.names}
         forward, inputs = self.forward, self.inputs
         # What the backward reads from the forward: saved, or recomputed (with what that needs).
@@ -365,17 +383,19 @@ class JointLiveness:
             needed.add(i)
             stack.extend(inputs[i])
         fw_order = sorted(needed)
-        held = {self.key[i] for i in (*self.fw_outputs, *saved)}
+        off = {i for i in (self.names[n] for n in offloaded if n in self.names) if i in saved and self.key[i] == i}
+        held = {self.key[i] for i in (*self.fw_outputs, *(saved - off))}
         fw_live: dict[int, int] = {}
         fw_peak = self._walk(fw_order, fw_live, held=held, pinned=held)
         # Backward: saved values and outputs still held, incoming gradients; each node preceded by
         # the recomputed nodes it needs not yet made.
         outputs = {self.key[i] for i in self.fw_outputs}
-        saved_keys = {self.key[i] for i in saved}
+        saved_keys = {self.key[i] for i in saved - off}
         bw_live = {k: v for k, v in fw_live.items() if k in outputs or k in saved_keys}
         bw_live.update(self.entry)
-        order = just_in_time(
-            self.roots, inputs=inputs.__getitem__, rank=int, ready=lambda i: i in forward and i not in remade,
+        order = just_in_time(  # an offloaded value is copied back (made from nothing) when first needed
+            self.roots, inputs=lambda i: () if i in off else inputs[i], rank=int,
+            ready=lambda i: i in forward and i not in remade and i not in off,
             followers=lambda i: [g for g in self.getitems[i] if g in remade or (g not in forward and g in self.live)],
         )
         bw_peak = self._walk(order, bw_live, held=set(), pinned=outputs, final=self.grads)

@@ -34,6 +34,9 @@ class SavedTensor:
     view_of: str | None = None
     """The node whose storage it shares when it is a view (detach, reshape, ...): its bytes are
     that storage's, counted once."""
+    offloaded: bool = False
+    """Kept in host memory between the forward and the backward (Note [Offload] in
+    passes/offload.py); its bytes are host bytes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +49,8 @@ class BlockPlan:
     recompute_flops: int
     recomputed_bytes: int = 0
     """Bytes of the values it recomputes: what checkpointing it keeps out of the saved set."""
+    offloaded_bytes: int = 0
+    """Bytes of its saved values kept in host memory between the forward and the backward."""
 
 
 class PeakModel(str, enum.Enum):
@@ -109,7 +114,8 @@ class Prediction:
     """Names of the forward nodes the backward recomputes, in backward order."""
     blocks: tuple[BlockPlan, ...]
     saved_bytes: int
-    """Bytes of saved activations (inputs and parameters excluded)."""
+    """Bytes of saved activations kept on the device (inputs, parameters and offloaded values
+    excluded)."""
     recompute_flops: int
     forward_peak_bytes: int
     backward_peak_bytes: int
@@ -123,6 +129,11 @@ class Prediction:
     held_outputs: tuple[tuple[str, int], ...] = ()
     """(module path, bytes) of the values the graph returns from inside checkpointed units (a
     KV cache): they stay alive from the forward to the backward whatever the policy."""
+    offloaded: tuple[str, ...] = ()
+    """Names of the saved values kept in host memory between the forward and the backward, in
+    forward order."""
+    offloaded_bytes: int = 0
+    """Host bytes they take (each copied out once and back once)."""
     symbols: dict[str, int] = field(default_factory=dict)
     """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
     were made with."""
@@ -166,7 +177,8 @@ _PREDICTED = tuple(f.name for f in dataclasses.fields(Prediction) if f.name != "
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What one compiled graph saves and recomputes, and the memory it is predicted to need."""
+    """What one compiled graph saves, recomputes and offloads, and the device memory it is
+    predicted to need."""
 
     policy: str
     saved: tuple[SavedTensor, ...]
@@ -174,7 +186,8 @@ class Plan:
     """Names of the forward nodes the backward recomputes, in backward order."""
     blocks: tuple[BlockPlan, ...]
     saved_bytes: int
-    """Bytes of saved activations (inputs and parameters excluded)."""
+    """Bytes of saved activations kept on the device (inputs, parameters and offloaded values
+    excluded)."""
     recompute_flops: int
     forward_peak_bytes: int
     backward_peak_bytes: int
@@ -205,6 +218,11 @@ class Plan:
     held_outputs: tuple[tuple[str, int], ...] = ()
     """(module path, bytes) of the values the graph returns from inside checkpointed units (a
     KV cache): they stay alive from the forward to the backward whatever the policy."""
+    offloaded: tuple[str, ...] = ()
+    """Names of the saved values kept in host memory between the forward and the backward, in
+    forward order (Note [Offload] in passes/offload.py)."""
+    offloaded_bytes: int = 0
+    """Host bytes they take: what leaves the device (peak_bytes is the device's)."""
     symbols: dict[str, int] = field(default_factory=dict)
     """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
     were made with. `at(...)` gives the plan's figures at other sizes."""
@@ -212,7 +230,7 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int:
-        """Predicted peak of a training step (Note [What the predicted peak counts])."""
+        """Predicted device peak of a training step (Note [What the predicted peak counts])."""
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
 
     def at(self, **sizes: int) -> Plan:

@@ -1,5 +1,5 @@
 """planner: one plan of a prepared joint graph under one per-node policy: select -> partition ->
-fold_twins -> schedule -> memory. The pipeline calls it for a fixed policy; the budget search
+fold_twins -> schedule -> offload -> memory. The pipeline calls it for a fixed policy; the budget search
 (passes.budget) calls it for each candidate it judges."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from passes._compat import RECOMPUTE_KEY
 from passes.batchnorm import fold_twins
 from passes.memory import memory_pass
+from passes.offload import offload_pass
 from passes.partition import merges_joint, partition_pass
 from passes.plan import Planned
 from passes.policy import Policy
@@ -65,12 +66,16 @@ def plan_policy(joint: Joint, policy: Policy, *, cse: bool | None = None) -> Pla
     recomputed = {n.name for n in bw.graph.nodes if n.name in forward_names}
     bw = steps.run("schedule", lambda: schedule_pass(bw, recomputed=recomputed), bw)
     steps.show("schedule", "after", bw)
+    offloaded = steps.run("offload", lambda: offload_pass(
+        fw, bw, num_fwd_outputs=joint.num_fwd_outputs, static_lifetime_input_indices=joint.static_lifetime_input_indices))
+    if offloaded:
+        steps.show("offload", "after", bw)
     steps.show("partition", "forward", fw)
     prediction = steps.run(
         "memory",
         lambda: memory_pass(fw, bw, num_fwd_outputs=joint.num_fwd_outputs, forward_names=forward_names,
                             block_paths=joint.block_paths, static_input_indices=joint.static_lifetime_input_indices,
-                            fused=joint.partitioner == "min_cut"),
+                            fused=joint.partitioner == "min_cut", offloaded=offloaded),
     )
     return Planned(forward=fw, backward=bw, prediction=prediction, joint_cse=merged,
                    recomputed_embedding_ops=embedding_asked)

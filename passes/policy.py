@@ -83,6 +83,10 @@ class BudgetSpec:
     solver: str = "auto"
     node_limit: int = NODE_LIMIT
     costs: str = "roofline"
+    offload: bool = False
+    """Values may also be kept in host memory (Note [Offload] in passes/offload.py)."""
+    bandwidth: float | None = None
+    """Bytes per second a host copy moves; None: torch's activation_offload_cpu_gpu_bw."""
     uses_blocks: bool = False
 
     def __call__(self, info: NodeInfo) -> CheckpointPolicy:

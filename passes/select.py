@@ -18,6 +18,7 @@ from passes._compat import (
     size_hint,
 )
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view
+from passes.offload import OFFLOAD_KEY
 from passes.policy import NodeInfo, Policy
 from passes.regions import PATH_KEY, REGION_KEY, Region, RegionKind, forward_nodes
 
@@ -25,6 +26,9 @@ REASON_KEY = "ckpt_fx.reason"
 
 SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+OFFLOAD = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
+"""Saved in host memory (Note [Offload] in passes/offload.py): MUST_ offloads the value, PREFER_
+offloads it when the partitioner saves it."""
 
 
 class HardRule(str, enum.Enum):
@@ -150,6 +154,8 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason
 
     Hard rules (random ops, mutations and their sources, effectful ops, collectives) give
     MUST_SAVE and are applied to a multi-output node's getitems too; the policy decides the rest.
+    An offload decision (OFFLOAD) is written as a save, with node.meta[OFFLOAD_KEY] set: the
+    planner's offload pass moves what was saved (passes.offload).
     node.meta[REASON_KEY] says who decided (Reason). Mutates node.meta only; deterministic.
     Returns {node name: reason} for the hard-ruled nodes.
     """
@@ -158,6 +164,7 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason
     for node in gm.graph.nodes:
         node.meta.pop(RECOMPUTE_KEY, None)
         node.meta.pop(REASON_KEY, None)
+        node.meta.pop(OFFLOAD_KEY, None)
     forced = hard_rules(gm)
     for node in fwd_list:
         if node.name in forced:
@@ -171,10 +178,12 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason
             raise TypeError(
                 f"policy {getattr(policy, '__name__', policy)!r} returned {decision!r} for node "
                 f"{node.name} ({node.meta.get(PATH_KEY, '')}); a policy must return a "
-                "torch.utils.checkpoint.CheckpointPolicy (MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE or PREFER_RECOMPUTE)"
+                "torch.utils.checkpoint.CheckpointPolicy (MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE, "
+                "MUST_CPU_OFFLOAD or PREFER_CPU_OFFLOAD)"
             )
-        if decision not in SAVE + RECOMPUTE:
-            raise ValueError(f"policy returned {decision}; allowed: {', '.join(p.name for p in SAVE + RECOMPUTE)}")
+        if decision in OFFLOAD:
+            node.meta[OFFLOAD_KEY] = True
+            decision = CheckpointPolicy.MUST_SAVE if decision == CheckpointPolicy.MUST_CPU_OFFLOAD else CheckpointPolicy.PREFER_SAVE
         node.meta[RECOMPUTE_KEY] = decision
         node.meta[REASON_KEY] = BY_POLICY
     _recompute_tuples_of_recomputed_elements(fwd_list)

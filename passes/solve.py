@@ -20,6 +20,22 @@ and it minimises sum(cost[R]) (then the saved bytes, to break ties). Every solve
   - greedy: any graph, fast: drops saved values cheapest-to-recompute-per-byte first.
   - by_parts ("parts"): exact for any graph, through its independent parts (Note [Independent
     parts]); fast when the parts are small and alike (a model's blocks).
+A saved value may also be offloaded (Note [Offload in the recompute problem]): the MILP (and the
+parts through it) chooses among the three; chain_dp and greedy plan without offloading.
+
+Note [Offload in the recompute problem]
+An offloaded value is saved in host memory: it is at hand for the backward and for recomputes as
+a saved one is (so plans keep it in S), but its bytes do not count against the device budget;
+the copies out and back cost time (`transfer[i]` seconds each way) unless compute hides them. The
+model of that (passes/offload.py, Note [Offload]): the copies of a unit's offloaded values run
+beside the next unit's forward, and their copies back beside the backward of the unit after it;
+a unit's compute time is the sum of `cost` over its values (`group[i]` names the unit, -1 none).
+So with T the transfer time of unit g's offloaded values and W its compute time, the time the
+copies add is max(0, T - W) + max(0, T - 2W) (a backward takes about twice a forward). A value
+outside every unit has nothing to hide behind. The MILP adds a binary o_i <= s_i per offloadable
+value and two exposure variables per unit; the device bytes are sum(nbytes[S]) - sum(nbytes[O]).
+Among plans of equal cost, fewer device bytes and then fewer host copies win, so a budget with
+room to spare offloads nothing.
 """
 
 from __future__ import annotations
@@ -47,6 +63,13 @@ class Problem:
     """Empty means all values are saveable."""
     recomputable: tuple[bool, ...] = ()
     """Empty means all values are recomputable."""
+    offloadable: tuple[bool, ...] = ()
+    """Values that may be kept in host memory instead (Note [Offload in the recompute problem]);
+    empty means none."""
+    transfer: tuple[float, ...] = ()
+    """Seconds to copy each value to host memory (as many to copy it back); empty means none."""
+    group: tuple[int, ...] = ()
+    """The unit each value belongs to (-1: none); empty means none."""
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -57,6 +80,15 @@ class Problem:
             object.__setattr__(self, "saveable", (True,) * n)
         if not self.recomputable:
             object.__setattr__(self, "recomputable", (True,) * n)
+        if not self.offloadable:
+            object.__setattr__(self, "offloadable", (False,) * n)
+        if not self.transfer:
+            object.__setattr__(self, "transfer", (0.0,) * n)
+        if not self.group:
+            object.__setattr__(self, "group", (-1,) * n)
+        for name in ("saveable", "recomputable", "offloadable", "transfer", "group"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Problem.{name} has {len(getattr(self, name))} entries for {n} values")
         for i, ins in enumerate(self.inputs):
             if any(not 0 <= j < i for j in ins):
                 raise ValueError(f"Problem: value {self.names[i]!r} has inputs {ins}; inputs must come before it")
@@ -67,19 +99,36 @@ class Problem:
     def is_chain(self) -> bool:
         return all(set(ins) <= {i - 1} for i, ins in enumerate(self.inputs))
 
+    def offloads(self) -> bool:
+        """Whether any value may be offloaded."""
+        return any(self.offloadable)
+
+    def windows(self) -> dict[int, float]:
+        """Each unit's compute time (seconds): what hides its copies (Note [Offload in the recompute problem])."""
+        out: dict[int, float] = {}
+        for g, c in zip(self.group, self.cost):
+            if g >= 0:
+                out[g] = out.get(g, 0.0) + c
+        return out
+
 
 @dataclass(frozen=True, kw_only=True)
 class Solution:
     """A plan for a Problem: saved and recomputed value indices, with their bytes and cost."""
 
     saved: frozenset[int]
+    """Values at hand for the backward: on the device, or in host memory when offloaded."""
     recomputed: frozenset[int]
     saved_bytes: int
+    """Bytes the saved values keep on the device (offloaded ones excluded)."""
     cost: float
+    """Recompute cost, and the time of the copies compute does not hide."""
     solver: str
     optimal: bool
     """True when the solver proved the plan optimal for the budget."""
     seconds: float = field(default=0.0, compare=False)
+    offloaded: frozenset[int] = frozenset()
+    """Saved values kept in host memory between the forward and the backward."""
 
 
 class Infeasible(ValueError):
@@ -103,9 +152,12 @@ def _fmt(n: int) -> str:
     return f"{format_size(n)} ({n} bytes)"
 
 
-def check(problem: Problem, saved: set[int] | frozenset[int], recomputed: set[int] | frozenset[int]) -> None:
+def check(problem: Problem, saved: set[int] | frozenset[int], recomputed: set[int] | frozenset[int],
+          offloaded: set[int] | frozenset[int] = frozenset()) -> None:
     """Raise AssertionError when a plan breaks a constraint of Note [The recompute problem]
     (the budget aside)."""
+    for i in offloaded:
+        assert i in saved and problem.offloadable[i], f"{problem.names[i]} offloaded but not saved or not offloadable"
     for i in range(len(problem)):
         name = problem.names[i]
         assert not (i in saved and not problem.saveable[i]), f"{name} saved but not saveable"
@@ -117,16 +169,37 @@ def check(problem: Problem, saved: set[int] | frozenset[int], recomputed: set[in
                 assert j in saved or j in recomputed, f"{name} recomputed but its input {problem.names[j]} is not at hand"
 
 
-def _solution(problem: Problem, saved: set[int], recomputed: set[int], *, solver: str, optimal: bool, start: float) -> Solution:
+def _solution(problem: Problem, saved: set[int], recomputed: set[int], *, solver: str, optimal: bool, start: float,
+              offloaded: set[int] | frozenset[int] = frozenset()) -> Solution:
     return Solution(
         saved=frozenset(saved),
         recomputed=frozenset(recomputed),
-        saved_bytes=sum(problem.nbytes[i] for i in saved),
-        cost=sum(problem.cost[i] for i in recomputed),
+        saved_bytes=sum(problem.nbytes[i] for i in saved if i not in offloaded),
+        cost=sum(problem.cost[i] for i in recomputed) + exposure(problem, offloaded),
         solver=solver,
         optimal=optimal,
         seconds=time.perf_counter() - start,
+        offloaded=frozenset(offloaded),
     )
+
+
+def exposure(problem: Problem, offloaded: set[int] | frozenset[int]) -> float:
+    """Seconds the copies of the offloaded values add to a step, compute hiding what it can
+    (Note [Offload in the recompute problem])."""
+    if not offloaded:
+        return 0.0
+    windows = problem.windows()
+    transfer: dict[int, float] = {}
+    total = 0.0
+    for i in offloaded:
+        g = problem.group[i]
+        if g < 0:
+            total += 2 * problem.transfer[i]  # nothing hides it, out or back
+        else:
+            transfer[g] = transfer.get(g, 0.0) + problem.transfer[i]
+    for g, t in transfer.items():
+        total += max(0.0, t - windows[g]) + max(0.0, t - 2 * windows[g])
+    return total
 
 
 def closure(problem: Problem, saved: set[int] | frozenset[int]) -> set[int] | None:
@@ -309,7 +382,7 @@ def milp(problem: Problem, budget: int, *, node_limit: int = NODE_LIMIT) -> Solu
 
 
 def _milp(problem: Problem, *, budget: int | None, node_limit: int) -> Solution:
-    """budget=None minimises saved bytes instead of cost (the smallest feasible budget)."""
+    """budget=None minimises the device bytes instead of cost (the smallest feasible budget)."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint
     from scipy.optimize import milp as scipy_milp
@@ -322,23 +395,30 @@ def _milp(problem: Problem, *, budget: int | None, node_limit: int) -> Solution:
     model = _milp_model(problem)
     nbytes, cost = model.nbytes, model.cost
     scale_b = max(nbytes.max(), 1.0)
-    scale_c = max(cost.max(), 1e-30)
+    scale_c = max(cost.max(), model.transfer.max(), 1e-30)
+    zeros, o = np.zeros(n), model.offload  # o: the offload variables, when the problem has them
+    exposure = np.ones(model.units) / scale_c
+    device = np.concatenate([nbytes, zeros, -nbytes if o else [], np.zeros(model.units)])  # saved minus offloaded
     if budget is None:
-        objective = np.concatenate([nbytes / scale_b, 1e-6 * cost / scale_c])
+        objective = device / scale_b + 1e-6 * np.concatenate([zeros, cost / scale_c, zeros if o else [], exposure])
         a, lower, upper = model.a, model.lower, model.upper
     else:
-        # Cost first; bytes break ties (weighted below the smallest cost difference that matters),
-        # scaled so that a tie-break step stays above HiGHS's absolute gap tolerance (1e-6).
-        objective = 1e4 * np.concatenate([1e-3 * nbytes / scale_b / n, cost / scale_c])
-        row = np.concatenate([nbytes, np.zeros(n)])[None, :]
-        a = vstack([model.a, row], format="csr")
+        # Cost first (recomputes and copies not hidden); device bytes break ties, then host copies
+        # (a budget with room to spare offloads nothing), weighted below the smallest cost
+        # difference that matters and scaled so that a tie-break step stays above HiGHS's absolute
+        # gap tolerance (1e-6).
+        copies = np.concatenate([zeros, zeros, 2 * nbytes if o else [], np.zeros(model.units)])
+        objective = 1e4 * (1e-3 * (device + copies) / scale_b / n
+                           + np.concatenate([zeros, cost / scale_c, zeros if o else [], exposure]))
+        a = vstack([model.a, device[None, :]], format="csr")
         lower = np.append(model.lower, -np.inf)
         upper = np.append(model.upper, budget)
+    width = len(model.ub)
     result = scipy_milp(
         objective,
         constraints=LinearConstraint(a, lower, upper),
-        integrality=np.ones(2 * n),
-        bounds=Bounds(np.zeros(2 * n), model.ub),
+        integrality=np.concatenate([np.ones(width - model.units), np.zeros(model.units)]),
+        bounds=Bounds(np.zeros(width), model.ub),
         options={"node_limit": node_limit, "time_limit": SAFETY_SECONDS, "mip_rel_gap": 1e-9},
     )
     if time.perf_counter() - start >= SAFETY_SECONDS:
@@ -351,11 +431,13 @@ def _milp(problem: Problem, *, budget: int | None, node_limit: int) -> Solution:
         if budget is None:
             raise ValueError(f"milp: no plan at all for this problem ({result.message})")
         return greedy(problem, budget)  # the limit hit before any plan: fall back
-    x = np.round(result.x).astype(int)
+    x = np.round(result.x[: width - model.units]).astype(int)
     saved = {i for i in range(n) if x[i]}
+    offloaded = {i for i in range(n) if o and x[2 * n + i]}
     recomputed = closure(problem, saved)
     assert recomputed is not None, "milp returned a plan that recomputes a value that cannot be"
-    return _solution(problem, saved, recomputed, solver="milp", optimal=result.status == 0, start=start)
+    return _solution(problem, saved, recomputed, solver="milp", optimal=result.status == 0, start=start,
+                     offloaded=offloaded)
 
 
 @dataclass(frozen=True)
@@ -368,43 +450,71 @@ class _Model:
     ub: object
     nbytes: object
     cost: object
+    transfer: object
+    offload: bool
+    """The variables include o_0..o_{n-1} (offloaded) after s and r."""
+    units: int
+    """Continuous exposure variables at the end: two per unit with offloadable values."""
 
 
 @functools.lru_cache(maxsize=16)
 def _milp_model(problem: Problem) -> _Model:
-    """Variables s_0..s_{n-1} (saved), r_0..r_{n-1} (recomputed); rows: a needed value is saved or
-    recomputed (s_i + r_i >= 1), a recomputed value's inputs are at hand (s_j + r_j - r_i >= 0)."""
+    """Variables s_0..s_{n-1} (saved), r_0..r_{n-1} (recomputed), and when values may be offloaded
+    o_0..o_{n-1} (offloaded) and per unit the seconds its copies add out and back; rows: a needed
+    value is saved or recomputed (s_i + r_i >= 1), a recomputed value's inputs are at hand
+    (s_j + r_j - r_i >= 0), an offloaded value is saved (o_i <= s_i), a unit's copies beyond its
+    compute add time (sum t_i o_i - e <= W, and 2W back) (Note [Offload in the recompute problem])."""
     import numpy as np
     from scipy.sparse import csr_matrix
 
     n = len(problem)
-    rows, cols, vals, lower = [], [], [], []
+    offload = problem.offloads()
+    windows = problem.windows() if offload else {}
+    groups = sorted({problem.group[i] for i in range(n) if problem.offloadable[i]}) if offload else []
+    rows, cols, vals, lower, upper = [], [], [], [], []
+
+    def row(entries: list[tuple[int, float]], low: float, high: float = np.inf) -> None:
+        k = len(lower)
+        for col, val in entries:
+            rows.append(k)
+            cols.append(col)
+            vals.append(val)
+        lower.append(low)
+        upper.append(high)
+
     for i in range(n):
         if problem.needed[i]:
-            k = len(lower)
-            rows += [k, k]
-            cols += [i, n + i]
-            vals += [1.0, 1.0]
-            lower.append(1.0)
+            row([(i, 1.0), (n + i, 1.0)], 1.0)
         for j in problem.inputs[i]:
-            k = len(lower)
-            rows += [k, k, k]
-            cols += [j, n + j, n + i]
-            vals += [1.0, 1.0, -1.0]
-            lower.append(0.0)
+            row([(j, 1.0), (n + j, 1.0), (n + i, -1.0)], 0.0)
+    if offload:
+        for i in range(n):
+            if problem.offloadable[i]:
+                row([(2 * n + i, 1.0), (i, -1.0)], -np.inf, 0.0)
+        for k, g in enumerate(groups):
+            members = [(2 * n + i, problem.transfer[i]) for i in range(n) if problem.offloadable[i] and problem.group[i] == g]
+            hidden = windows.get(g, 0.0)
+            for way, window in enumerate((hidden, 2 * hidden)):  # out beside a forward, back beside a backward
+                row(members + [(3 * n + 2 * k + way, -1.0)], -np.inf, window)
+    width = (3 * n if offload else 2 * n) + 2 * len(groups)
     m = max(len(lower), 1)
-    a = csr_matrix((vals, (rows, cols)), shape=(m, 2 * n))
-    lower_arr = np.full(m, -np.inf)
+    a = csr_matrix((vals, (rows, cols)), shape=(m, width))
+    lower_arr, upper_arr = np.full(m, -np.inf), np.full(m, np.inf)
     lower_arr[: len(lower)] = lower
-    ub = np.ones(2 * n)
+    upper_arr[: len(upper)] = upper
+    ub = np.ones(width)
+    ub[width - 2 * len(groups):] = np.inf
     for i in range(n):
         if not problem.saveable[i]:
             ub[i] = 0
         if not problem.recomputable[i]:
             ub[n + i] = 0
+        if offload and not problem.offloadable[i]:
+            ub[2 * n + i] = 0
     return _Model(
-        a=a, lower=lower_arr, upper=np.full(m, np.inf), ub=ub,
+        a=a, lower=lower_arr, upper=upper_arr, ub=ub,
         nbytes=np.array(problem.nbytes, dtype=float), cost=np.array(problem.cost, dtype=float),
+        transfer=np.array(problem.transfer, dtype=float), offload=offload, units=2 * len(groups),
     )
 
 
@@ -441,6 +551,12 @@ def parts(problem: Problem) -> list[list[int]]:
             if free[j] or (not problem.recomputable[j] and problem.needed[j] and problem.saveable[j]):
                 continue
             parent[find(i)] = find(j)
+    if problem.offloads():  # a unit's copies share its compute: its values are one part
+        first: dict[int, int] = {}
+        for i in range(n):
+            g = problem.group[i]
+            if g >= 0:
+                parent[find(i)] = find(first.setdefault(g, i))
     groups: dict[int, list[int]] = {}
     for i in range(n):
         groups.setdefault(find(i), []).append(i)
@@ -457,8 +573,10 @@ def _free(problem: Problem) -> list[bool]:
 
 
 def _sub(problem: Problem, members: list[int]) -> Problem:
-    """The problem restricted to one part; inputs outside it are always at hand (saved)."""
+    """The problem restricted to one part; inputs outside it are always at hand (saved). Units are
+    renumbered from 0 in the part, so alike parts are alike."""
     local = {g: k for k, g in enumerate(members)}
+    units: dict[int, int] = {}
     return Problem(
         names=tuple(problem.names[g] for g in members),
         nbytes=tuple(problem.nbytes[g] for g in members),
@@ -467,12 +585,16 @@ def _sub(problem: Problem, members: list[int]) -> Problem:
         needed=tuple(problem.needed[g] for g in members),
         saveable=tuple(problem.saveable[g] for g in members),
         recomputable=tuple(problem.recomputable[g] for g in members),
+        offloadable=tuple(problem.offloadable[g] for g in members),
+        transfer=tuple(problem.transfer[g] for g in members),
+        group=tuple(-1 if problem.group[g] < 0 else units.setdefault(problem.group[g], len(units)) for g in members),
     )
 
 
 def _shape(problem: Problem) -> tuple:
     """What a part's front depends on (not its names): alike parts share one front."""
-    return (problem.nbytes, problem.cost, problem.inputs, problem.needed, problem.saveable, problem.recomputable)
+    return (problem.nbytes, problem.cost, problem.inputs, problem.needed, problem.saveable, problem.recomputable,
+            problem.offloadable, problem.transfer, problem.group)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -483,7 +605,8 @@ class Front:
 
     nbytes: tuple[int, ...]
     cost: tuple[float, ...]
-    plan: Callable[[int], tuple[frozenset[int], frozenset[int]]] = field(repr=False)
+    plan: Callable[[int], tuple[frozenset[int], frozenset[int], frozenset[int]]] = field(repr=False)
+    """Point k's (saved, recomputed, offloaded)."""
     exact: bool = True
 
     def solution(self, problem: Problem, budget: int, *, start: float | None = None) -> Solution:
@@ -493,8 +616,9 @@ class Front:
         if not fits:
             raise Infeasible(budget, self.nbytes[-1])
         k = min(fits, key=lambda k: (self.cost[k], self.nbytes[k]))
-        saved, recomputed = self.plan(k)
-        return _solution(problem, set(saved), set(recomputed), solver="parts", optimal=self.exact, start=start)
+        saved, recomputed, offloaded = self.plan(k)
+        return _solution(problem, set(saved), set(recomputed), solver="parts", optimal=self.exact, start=start,
+                         offloaded=offloaded)
 
 
 FRONT_MAX_POINTS = 256  # per part; a part with more keeps the first ones found (most bytes first)
@@ -528,6 +652,8 @@ def _contract(problem: Problem) -> tuple[Problem, list[int]]:
         names=tuple(problem.names[i] for i in keep), nbytes=tuple(problem.nbytes[i] for i in keep),
         cost=tuple(problem.cost[i] for i in keep), inputs=tuple(inputs), needed=tuple(needed[i] for i in keep),
         saveable=tuple(problem.saveable[i] for i in keep), recomputable=tuple(problem.recomputable[i] for i in keep),
+        offloadable=tuple(problem.offloadable[i] for i in keep), transfer=tuple(problem.transfer[i] for i in keep),
+        group=tuple(problem.group[i] for i in keep),
     )
     return small, keep
 
@@ -537,7 +663,8 @@ def _part_front(problem: Problem, node_limit: int, solves: list[int]) -> Front:
     budget b, then under (its saved bytes - 1), until none fits (on the contracted problem).
     `solves` is the count of exact solves left to all parts (each part makes at least one)."""
     whole, (problem, keep) = problem, _contract(problem)
-    exact_solver = chain_dp if problem.is_chain() else (lambda p, b: milp(p, b, node_limit=node_limit))
+    exact_solver = chain_dp if problem.is_chain() and not problem.offloads() else (
+        lambda p, b: milp(p, b, node_limit=node_limit))
     nbytes, cost, plans, exact = [], [], [], True
     budget = sum(problem.nbytes)
     while len(nbytes) < FRONT_MAX_POINTS and (not nbytes or solves[0] > 0):
@@ -553,7 +680,7 @@ def _part_front(problem: Problem, node_limit: int, solves: list[int]) -> Front:
         nbytes.append(sol.saved_bytes)
         cost.append(sol.cost)
         saved = frozenset(keep[i] for i in sol.saved)
-        plans.append((saved, frozenset(closure(whole, saved))))
+        plans.append((saved, frozenset(closure(whole, saved)), frozenset(keep[i] for i in sol.offloaded)))
         if sol.saved_bytes == 0:
             break
         budget = sol.saved_bytes - 1
@@ -596,13 +723,15 @@ def pareto_front(problem: Problem, *, node_limit: int = NODE_LIMIT, max_solves: 
     order = np.argsort(-total_b, kind="stable")
     picks = picks[order]
 
-    def plan(k: int) -> tuple[frozenset[int], frozenset[int]]:
-        saved = set()
+    def plan(k: int) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+        saved, offloaded = set(), set()
         for m, front, p in zip(members, fronts, picks[k]):
-            saved.update(m[i] for i in front.plan(int(p))[0])
+            part_saved, _, part_offloaded = front.plan(int(p))
+            saved.update(m[i] for i in part_saved)
+            offloaded.update(m[i] for i in part_offloaded)
         recomputed = closure(problem, saved)  # with the free values the parts read
         assert recomputed is not None
-        return frozenset(saved), frozenset(recomputed)
+        return frozenset(saved), frozenset(recomputed), frozenset(offloaded)
 
     return Front(
         nbytes=tuple(int(x) for x in total_b[order]),
@@ -640,7 +769,7 @@ SOLVERS: dict[str, Solver] = {"chain_dp": chain_dp, "milp": milp, "greedy": gree
 def solve(
     problem: Problem, budget: int, *, solver: str = "auto", node_limit: int = NODE_LIMIT, try_parts: bool = True
 ) -> Solution:
-    """The best available plan: chain_dp for chains, else through independent parts when that
+    """The best available plan: chain_dp for chains (without offload), else through independent parts when that
     pays off (parts_pay_off, `try_parts`) and their fronts are found exactly within FRONT_SOLVES
     solves, else the MILP within `node_limit` nodes (up to `MILP_MAX_VALUES` values), else greedy;
     the better of MILP and greedy when the MILP was cut short. Bounded by counts alone (Note
@@ -655,7 +784,7 @@ def solve(
         return by_parts(problem, budget, node_limit=node_limit)
     if solver != "auto":
         raise ValueError(f"unknown solver {solver!r}; valid: auto, {', '.join(SOLVERS)}")
-    if problem.is_chain():
+    if problem.is_chain() and not problem.offloads():
         return chain_dp(problem, budget)
     if try_parts and parts_pay_off(problem):
         split = by_parts(problem, budget, node_limit=node_limit, max_solves=FRONT_SOLVES)

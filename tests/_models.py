@@ -188,10 +188,10 @@ class Recorder:
     the backward it produced (`graphs`), the forward (`forwards`), and the partitioner's keyword
     arguments (`kwargs`)."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, *, strict: bool = True):
         import ckpt_fx
 
-        self.backend = ckpt_fx.backend(policy=policy, strict=True)
+        self.backend = ckpt_fx.backend(policy=policy, strict=strict)
         self.graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
         self.forwards: list[torch.fx.GraphModule] = []
         self.kwargs: list[dict] = []

@@ -105,7 +105,9 @@ def test_absolute_budget_bounds_the_predicted_peak():
 @pytest.mark.parametrize(
     "spec, name",
     [("budget:0.3", "budget(0.3)"), ("budget: 2GiB", "budget('2GiB')"), ("budget:512MB", "budget('512MB')"), ("budget:1", "budget(1)"),
-     ("budget:0.3,costs=measured", "budget(0.3, costs='measured')"), ("budget:0.3, solver=milp", "budget(0.3, solver='milp')")],
+     ("budget:0.3,costs=measured", "budget(0.3, costs='measured')"), ("budget:0.3, solver=milp", "budget(0.3, solver='milp')"),
+     ("budget:20GiB,offload", "budget('20GiB', offload=True)"),
+     ("budget:0.3,offload,bandwidth=25GB/s", "budget(0.3, offload=True, bandwidth='25GB/s')")],
 )
 def test_budget_string_forms(spec, name):
     assert policies.policy_name(policies.parse(spec)) == name
@@ -120,7 +122,11 @@ def test_budget_string_forms(spec, name):
         ("budget:2PB", "cannot read '2PB'"),
         ("budget:lots", "cannot read 'lots'"),
         ("budget:0.3,costs=guess", "unknown costs 'guess'; valid: roofline, measured"),
-        ("budget:0.3,speed=9", "budget takes a limit then costs=... or solver=..., got 'speed=9'"),
+        ("budget:0.3,speed=9", "budget takes a limit, then costs=..., solver=..., offload, bandwidth=...; got 'speed=9'"),
+        ("budget:0.3,bandwidth=5", "bandwidth prices host copies; it needs offload=True"),
+        ("budget:0.3,offload,bandwidth=0", r"bandwidth: must be a finite number of GB/s > 0"),
+        ("budget:0.3,offload,bandwidth=-2GB/s", r"bandwidth: cannot read '-2GB/s'"),
+        ("budget:0.3,offload,bandwidth=fast", r"bandwidth: cannot read 'fast'; write a number of GB/s like 25"),
     ],
 )
 def test_bad_budgets_raise_naming_the_value(spec, fragment):

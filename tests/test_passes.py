@@ -153,14 +153,15 @@ def test_joint_liveness_predicts_the_partitioned_peak(model_name):
     """The budget policy compares candidates by a walk over the joint graph (Note [Peak from the
     joint graph]); it must predict what the memory pass predicts on the partitioned graphs, for
     every kind of plan (segments rebuild several blocks at once; SDPA recompute goes through
-    torch's RNG functionalization)."""
+    torch's RNG functionalization; offloaded values leave the device and come back)."""
     from ckpt_fx.bench.models import build
     from passes.memory import JointLiveness
     from passes.select import RECOMPUTE
 
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (2, 64))
-    for policy in ["none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "segments:3", "budget:0.3"]:
+    for policy in ["none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "segments:3", "budget:0.3",
+                   "offload", "budget:0.1,offload,bandwidth=1000"]:
         torch._dynamo.reset()
         model = build(model_name, layers=4, dim=64, heads=2)
         recorder = Recorder(policy)
@@ -170,8 +171,9 @@ def test_joint_liveness_predicts_the_partitioned_peak(model_name):
             liveness = JointLiveness(joint, num_fwd_outputs=kwargs["num_fwd_outputs"],
                                      static_input_indices=kwargs.get("static_lifetime_input_indices"))
             recomputed = {n.name for n in forward_nodes(joint.graph) if n.meta.get("recompute") in RECOMPUTE}
-            estimate = liveness.estimate(recomputed)
+            estimate = liveness.estimate(recomputed, frozenset(plan.offloaded))
             assert (estimate.peak_bytes, estimate.gradient_bytes) == (plan.peak_bytes, plan.gradient_bytes), policy
+            assert bool(plan.offloaded) == ("offload" in policy), policy
 
 
 def _traced(fn, *args):

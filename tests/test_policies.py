@@ -36,6 +36,11 @@ def info(block: Block | None, users: tuple, *, region: str | None = None, path: 
         ("graph", "graph()"),
         ("selective", "selective(save=('matmul', 'conv', 'attention'), skip_first=0)"),
         ("selective:skip_first=1", "selective(save=('matmul', 'conv', 'attention'), skip_first=1)"),
+        ("selective:save=matmul", "selective(save=('matmul'), skip_first=0)"),
+        ("selective:save=matmul+attention,skip_first=2", "selective(save=('matmul', 'attention'), skip_first=2)"),
+        ("sqrt:skip_first=1", "sqrt(skip_first=1)"),
+        ("offload", "blocks(every=1, skip_first=1, offload=True)"),
+        ("offload:every=2,skip_first=0", "blocks(every=2, skip_first=0, offload=True)"),
     ],
 )
 def test_string_forms(spec, name):
@@ -47,17 +52,20 @@ def test_string_forms(spec, name):
     "spec, fragment",
     [
         ("blokcs", "unknown policy 'blokcs' (did you mean 'blocks'?)"),
-        ("segments", "needs a size"),
-        ("segments:0", "size must be >= 1, got 0"),
-        ("blocks:every=0", "every must be >= 1, got 0"),
-        ("blocks:two", "'two' is not an integer"),
-        ("blocks:stride=2", "unknown argument"),
-        ("sqrt:3", "takes no positional argument"),
+        ("segments", "segments needs size; segments is written \"segments:N\""),
+        ("segments:0", "size must be >= 1, got 0; segments is written"),
+        ("blocks:every=0", "every must be >= 1, got 0; blocks is written"),
+        ("blocks:two", "every='two' is not a whole number; blocks is written \"blocks\", \"blocks:N\""),
+        ("blocks:stride=2", "blocks has no setting 'stride' (its settings: every, skip_first); blocks is written"),
+        ("sqrt:3", "sqrt takes no bare value, got '3'; sqrt is written \"sqrt\", \"sqrt:skip_first=K\""),
+        ("selective:save=matmul,size=2", "selective has no setting 'size' (its settings: save, skip_first); selective is written"),
+        ("offload:size=2", "offload has no setting 'size'"),
         (42, "must be a string or a callable"),
     ],
 )
 def test_bad_policies_raise_value_error_naming_the_value(spec, fragment):
-    """A bad policy fails at construction with the bad value and the valid forms."""
+    """A bad policy fails at construction with the bad value and the form it expected (every
+    valid form for an unknown name)."""
     with pytest.raises(ValueError) as err:
         ckpt_fx.backend(policy=spec)
     assert fragment in str(err.value)

@@ -209,8 +209,8 @@ def test_a_front_cut_short_is_marked_inexact():
     front = pareto_front(problem, max_solves=1)
     assert not front.exact and len(front.nbytes) == 1
     for k in range(len(front.nbytes)):
-        saved, recomputed = front.plan(k)
-        check(problem, saved, recomputed)
+        saved, recomputed, offloaded = front.plan(k)
+        check(problem, saved, recomputed, offloaded)
 
 
 def test_a_slow_clock_gives_the_same_plan(monkeypatch):
@@ -228,3 +228,69 @@ def test_a_slow_clock_gives_the_same_plan(monkeypatch):
     monkeypatch.setattr(solve_module.time, "perf_counter", lambda: float(next(ticks)))
     slow = solve(problem, budget)
     assert (slow.solver, slow.saved, slow.recomputed) == (real.solver, real.saved, real.recomputed)
+
+
+def _offload_blocks(count: int, *, transfer: float, offloadable: bool = True) -> Problem:
+    """`count` alike blocks (unit b), each a chain: an input copy (not recomputable, 16 bytes, its
+    block's boundary), two values the backward reads (64 bytes, cost 1 each). Each block's
+    compute (its window) is 2.5 seconds; `transfer` is each value's copy time, one way."""
+    names, nbytes, cost, inputs, needed, recomputable, can, group = [], [], [], [], [], [], [], []
+    for b in range(count):
+        for k, (nb, c, rec) in enumerate([(16, 0.5, False), (64, 1.0, True), (64, 1.0, True)]):
+            i = len(names)
+            names.append(f"b{b}.{k}")
+            nbytes.append(nb)
+            cost.append(c)
+            inputs.append((i - 1,) if k else ())
+            needed.append(True)
+            recomputable.append(rec)
+            can.append(offloadable)
+            group.append(b)
+    n = len(names)
+    return Problem(names=tuple(names), nbytes=tuple(nbytes), cost=tuple(cost), inputs=tuple(inputs),
+                   needed=tuple(needed), recomputable=tuple(recomputable), offloadable=tuple(can),
+                   transfer=(transfer,) * n, group=tuple(group))
+
+
+def test_free_copies_offload_what_the_budget_needs_and_nothing_more():
+    """Note [Offload in the recompute problem]: copies compute hides cost nothing. With room to
+    spare nothing is offloaded; at a device budget of 0 every value is offloaded (nothing
+    recomputed, no time added); where the budget needs bytes off the device, offloading beats
+    recomputing."""
+    problem = _offload_blocks(2, transfer=0.0)
+    roomy = milp(problem, sum(problem.nbytes))
+    assert roomy.offloaded == frozenset() and roomy.cost == 0
+    empty = milp(problem, 0)
+    check(problem, empty.saved, empty.recomputed, empty.offloaded)
+    assert empty.offloaded == frozenset(range(len(problem))) and not empty.recomputed
+    assert empty.saved_bytes == 0 and empty.cost == 0
+    half = milp(problem, sum(problem.nbytes) // 2)
+    assert half.saved_bytes <= sum(problem.nbytes) // 2 and half.offloaded and not half.recomputed
+
+
+def test_slow_copies_are_priced_and_recompute_wins_where_it_is_cheaper():
+    """Copies slower than compute cost what compute does not hide: at 10 s a copy (2.5 s of
+    compute per block), recomputing the two 64-byte values of a block (2 s) beats offloading
+    them; the 16-byte inputs, which cannot be recomputed, are offloaded at a device budget of 0,
+    their time added (out 10 - 2.5, back 10 - 5 per block)."""
+    problem = _offload_blocks(2, transfer=10.0)
+    sol = milp(problem, 0)
+    check(problem, sol.saved, sol.recomputed, sol.offloaded)
+    boundaries = {0, 3}
+    assert sol.offloaded == boundaries and sol.recomputed == {1, 2, 4, 5}
+    assert sol.cost == pytest.approx(4 * 1.0 + 2 * ((10 - 2.5) + (10 - 5)))
+    with pytest.raises(Infeasible):
+        milp(_offload_blocks(2, transfer=10.0, offloadable=False), 0)
+
+
+@pytest.mark.parametrize("transfer", [0.0, 0.7, 3.0])
+def test_alike_blocks_with_offload_solve_through_parts_as_the_whole(transfer):
+    """With offload, a unit's values are one part (its copies share its compute): the parts'
+    front gives the MILP's cost on the whole at every budget, and a valid plan."""
+    problem = _offload_blocks(4, transfer=transfer)
+    assert len(parts(problem)) == 4
+    for budget in (0, 100, 300, sum(problem.nbytes)):
+        whole, split = milp(problem, budget), by_parts(problem, budget)
+        check(problem, split.saved, split.recomputed, split.offloaded)
+        assert split.saved_bytes <= budget
+        assert split.cost == pytest.approx(whole.cost)
