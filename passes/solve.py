@@ -35,7 +35,11 @@ copies add is max(0, T - W) + max(0, T - 2W) (a backward takes about twice a for
 outside every unit has nothing to hide behind. The MILP adds a binary o_i <= s_i per offloadable
 value and two exposure variables per unit; the device bytes are sum(nbytes[S]) - sum(nbytes[O]).
 Among plans of equal cost, fewer device bytes and then fewer host copies win, so a budget with
-room to spare offloads nothing.
+room to spare offloads nothing. A unit's front has many more points with offload (every split of
+its saved bytes between device and host); it is walked in steps of 1/OFFLOAD_FRONT_STEPS of the
+unit's bytes, each point the exact optimum for its budget, and auto takes that plan through the
+parts over a MILP on the whole graph (thousands of values times three choices, which a node limit
+would cut short anyway).
 """
 
 from __future__ import annotations
@@ -564,11 +568,15 @@ def parts(problem: Problem) -> list[list[int]]:
 
 
 def _free(problem: Problem) -> list[bool]:
-    """Values recomputed at no cost from nothing but graph inputs (a view of a parameter): reading
-    one ties no parts together."""
+    """Values recomputed at no cost from nothing but what is always at hand: graph inputs, values
+    that must be saved (needed, not recomputable), and other such values (a view of a parameter;
+    an attention mask expanded from a saved one and read by every block): reading one ties no
+    parts together."""
     free = [False] * len(problem)
     for i in range(len(problem)):
-        free[i] = problem.recomputable[i] and problem.cost[i] == 0 and all(free[j] for j in problem.inputs[i])
+        free[i] = problem.recomputable[i] and problem.cost[i] == 0 and all(
+            free[j] or (not problem.recomputable[j] and problem.needed[j] and problem.saveable[j])
+            for j in problem.inputs[i])
     return free
 
 
@@ -622,6 +630,7 @@ class Front:
 
 
 FRONT_MAX_POINTS = 256  # per part; a part with more keeps the first ones found (most bytes first)
+OFFLOAD_FRONT_STEPS = 48  # with offload, a part's front is walked in steps of its bytes over this
 
 
 def _contract(problem: Problem) -> tuple[Problem, list[int]]:
@@ -660,9 +669,12 @@ def _contract(problem: Problem) -> tuple[Problem, list[int]]:
 
 def _part_front(problem: Problem, node_limit: int, solves: list[int]) -> Front:
     """A part's front, walking down from the plan that recomputes least: the cheapest plan under
-    budget b, then under (its saved bytes - 1), until none fits (on the contracted problem).
-    `solves` is the count of exact solves left to all parts (each part makes at least one)."""
+    budget b, then under (its saved bytes - 1), until none fits (on the contracted problem); with
+    offload, in steps of 1/OFFLOAD_FRONT_STEPS of the part's bytes (Note [Offload in the recompute
+    problem]: each point exact for its budget, points between skipped). `solves` is the count of
+    exact solves left to all parts (each part makes at least one)."""
     whole, (problem, keep) = problem, _contract(problem)
+    stride = max(1, sum(problem.nbytes) // OFFLOAD_FRONT_STEPS) if problem.offloads() else 1
     exact_solver = chain_dp if problem.is_chain() and not problem.offloads() else (
         lambda p, b: milp(p, b, node_limit=node_limit))
     nbytes, cost, plans, exact = [], [], [], True
@@ -683,7 +695,7 @@ def _part_front(problem: Problem, node_limit: int, solves: list[int]) -> Front:
         plans.append((saved, frozenset(closure(whole, saved)), frozenset(keep[i] for i in sol.offloaded)))
         if sol.saved_bytes == 0:
             break
-        budget = sol.saved_bytes - 1
+        budget = sol.saved_bytes - stride
     else:
         exact = False
     if not nbytes:
@@ -788,7 +800,7 @@ def solve(
         return chain_dp(problem, budget)
     if try_parts and parts_pay_off(problem):
         split = by_parts(problem, budget, node_limit=node_limit, max_solves=FRONT_SOLVES)
-        if split.optimal:
+        if split.optimal or problem.offloads():  # Note [Offload in the recompute problem]
             return split
     fast = greedy(problem, budget)
     if len(problem) > MILP_MAX_VALUES:
