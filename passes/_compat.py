@@ -56,6 +56,7 @@ __all__ = [
     "PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT",
     "outside_fake_mode",
     "own_backend",
+    "torch_offloading",
     "per_block_checkpointing",
     "pytree",
     "pytree_info",
@@ -152,7 +153,7 @@ def symbols_of(value: int | torch.SymInt) -> dict[str, int]:
     if expr is None or env is None:
         return {}
     values = env.backed_var_to_val
-    return {str(sym): int(values[sym]) for sym in expr.free_symbols if sym in values}
+    return {sym.name: int(values[sym]) for sym in expr.free_symbols if sym in values}
 
 
 def size_at(value: int | torch.SymInt, sizes: dict[str, int]) -> int:
@@ -164,10 +165,19 @@ def size_at(value: int | torch.SymInt, sizes: dict[str, int]) -> int:
     if expr is None:
         return size_hint(value)
     hints = symbols_of(value)
+    values = tuple(sorted((sym.name, sizes.get(sym.name, hints.get(sym.name))) for sym in expr.free_symbols))
     try:
-        return int(expr.subs({sym: sizes.get(str(sym), hints.get(str(sym))) for sym in expr.free_symbols}))
+        return _substituted(expr, values)
     except (TypeError, ValueError):  # a symbol without a hint: the size's own hint
         return size_hint(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _substituted(expr: Any, values: tuple[tuple[str, int | None], ...]) -> int:
+    """`expr` with its symbols set (by name): sympy's substitution is slow, and a graph's sizes
+    are a few expressions met many times (Plan.at walks every tensor of a graph)."""
+    named = dict(values)
+    return int(expr.subs({sym: named[sym.name] for sym in expr.free_symbols}))
 
 
 def is_impure_not_random(node: torch.fx.Node) -> bool:
@@ -277,6 +287,34 @@ def offload_bandwidth() -> float:
     import torch._functorch.config as functorch_config
 
     return float(functorch_config.activation_offload_cpu_gpu_bw) * 2**30
+
+
+def torch_offloading(tag: Callable[[torch.fx.Node], bool], *, streams: bool):
+    """A context in which Inductor, planning alone, offloads the joint graph's forward nodes `tag`
+    picks (node.meta["should_offload"], set by a joint-graph pass before its min-cut partition),
+    with torch's offload pass and its own waits and prefetch: how a user tags values by hand.
+    `streams`: asynchronous copies on a transfer stream (a GPU)."""
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Tag(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for node in graph.nodes:
+                if node.op == "call_function" and tag(node):
+                    node.meta["should_offload"] = True
+
+        def uuid(self) -> bytes:
+            return b"ckpt_fx.torch_offloading"
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(joint_custom_post_pass=Tag()))
+    stack.enter_context(functorch_config.patch(
+        enable_activation_offloading=True, activation_offload_separate_stream=streams,
+        activation_offload_sink_wait=streams, activation_reload_prefetch=streams))
+    return stack
 
 
 def inductor_random_as_eager(on: bool = True):

@@ -9,7 +9,7 @@ import operator
 import torch
 
 from passes._compat import CPU_OFFLOAD_PREFIX, OpOverload, is_primal, is_tangent, op_short_name, size_at, size_hint, symbols_of
-from passes.costs import fuses, is_view, node_flops, tensor_bytes
+from passes.costs import FLOPS_KEY, fuses, is_view, node_flops, tensor_bytes
 from passes.graphs import snapshot
 from passes.inductor_memory import scheduled_peaks
 from passes.liveness import just_in_time, walk
@@ -207,23 +207,27 @@ def memory_pass(
     }
 
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
-    per_block: dict[str, list[int]] = {path: [0, 0, 0, 0, 0] for path in block_paths}
+    per_block: dict[str, list[int]] = {path: [0, 0, 0, 0, 0, 0] for path in block_paths}
     for s in saved:
         if s.block is not None and not s.is_input:
-            per_block.setdefault(s.block, [0, 0, 0, 0, 0])[4 if s.offloaded else 0] += s.nbytes
+            per_block.setdefault(s.block, [0, 0, 0, 0, 0, 0])[4 if s.offloaded else 0] += s.nbytes
+    for node in fw.graph.nodes:
+        region = node.meta.get(REGION_KEY)
+        if node.op == "call_function" and region is not None and region.block is not None:
+            per_block.setdefault(region.block.name, [0, 0, 0, 0, 0, 0])[5] += _flops(node)
     flops = 0
     for node in recomputed:
-        f = node_flops(node)
+        f = _flops(node)
         flops += f
         region = node.meta.get(REGION_KEY)
         if region is not None and region.block is not None:
-            entry = per_block.setdefault(region.block.name, [0, 0, 0, 0, 0])
+            entry = per_block.setdefault(region.block.name, [0, 0, 0, 0, 0, 0])
             entry[1] += 1
             entry[2] += f
             entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"), sizes)
     checkpointed = {p for p, v in per_block.items() if v[1]}
     recomputed_set = set(recomputed)
-    step_flops = sum(node_flops(n) for g in (fw.graph, bw.graph) for n in g.nodes
+    step_flops = sum(_flops(n) for g in (fw.graph, bw.graph) for n in g.nodes
                      if n.op == "call_function" and n not in recomputed_set)
     return Prediction(
         held_outputs=_held_outputs(user_outputs, checkpointed, sizes),
@@ -231,7 +235,7 @@ def memory_pass(
         recomputed=tuple(n.name for n in recomputed),
         blocks=tuple(
             BlockPlan(path=p, saved_bytes=v[0], recomputed_ops=v[1], recompute_flops=v[2], recomputed_bytes=v[3],
-                      offloaded_bytes=v[4])
+                      offloaded_bytes=v[4], forward_flops=v[5])
             for p, v in per_block.items()
         ),
         saved_bytes=saved_bytes,
@@ -245,10 +249,16 @@ def memory_pass(
         offloaded=tuple(offloaded),
         offloaded_bytes=sum(s.nbytes for s in saved if s.offloaded),
         symbols=symbols,
+        # At the traced sizes: a way to predict at others (a prediction at other sizes needs none).
         at=functools.partial(_predict_at, snapshot(fw), snapshot(bw), num_fwd_outputs=num_fwd_outputs,
                              forward_names=forward_names, block_paths=block_paths, offloaded=offloaded,
-                             static_input_indices=static_input_indices, fused=fused) if symbols else None,
+                             static_input_indices=static_input_indices, fused=fused) if symbols and not sizes else None,
     )
+
+
+def _flops(node: torch.fx.Node) -> int:
+    """A node's FLOPs at the traced sizes: the costs pass's figure, carried from the joint graph."""
+    return node.meta[FLOPS_KEY] if FLOPS_KEY in node.meta else node_flops(node)
 
 
 def _predict_at(fw, bw, sizes: dict[str, int], **kwargs) -> Prediction:
