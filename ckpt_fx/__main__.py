@@ -203,9 +203,9 @@ def fit(args: argparse.Namespace) -> int:
             model = f.with_lora(model, **f.parse_lora(args.lora))
     policies = [p.strip() for p in args.policies.split(";") if p.strip()]
     start = time.perf_counter()
-    _progress(f"planning {workload.name}: {len(policies)} policies, one trace each")
+    _progress(f"planning {workload.name}: {len(policies)} policies, one trace for all")
     report = f.fit(model, *workload.args, memory=memory[0], policies=policies, optimizer=args.optimizer,
-                   precision=args.precision, device=args.device, **workload.kwargs)
+                   precision=args.precision, device=args.device, dtype=args.dtype, progress=True, **workload.kwargs)
     rows = []
     for limit in memory:
         report = report.for_memory(limit)
@@ -298,9 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     ft.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="where the step would run (how the optimizer holds its temporaries)")
     ft.add_argument("--lora", help="train peft LoRA adapters on a frozen base, e.g. 'r=16' or 'r=16,alpha=32'")
-    ft.add_argument("--policies", default="none;blocks;blocks:every=1,skip_first=0;selective;sqrt;budget:fit",
+    ft.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                    help="the weights' dtype: the frozen base (under --lora) and buffers are cast to it, trained "
+                         "parameters keep theirs (fp32 master weights and adapters); default: as built (fp32)")
+    ft.add_argument("--policies", default="none;blocks;blocks:every=1,skip_first=0;selective;sqrt;offload;budget:fit;"
+                                          "budget:fit,offload",
                     help="';'-separated policies to plan; budget:fit is a memory budget of what --memory leaves "
-                         "after weights and optimizer state")
+                         "after weights and optimizer state, budget:fit,offload one that may keep saved values in "
+                         "host memory")
     ft.add_argument("--json", help="also write one row per memory size and policy to this file")
     ft.set_defaults(run=fit)
     args = parser.parse_args(argv)

@@ -145,8 +145,11 @@ class CkptBackend:
     AOTAutograd hands a joint graph over, before any pass changes it (to copy it, say); each in
     `on_partitioned` with a Partitioned record once it is planned, before the graphs go back."""
 
-    def __init__(self, options: Options):
+    def __init__(self, options: Options, *, device: str | None = None):
+        """`device`: the device type the plans are for when the graphs are traced on another
+        (fit traces on CPU fake tensors for a GPU); by default the graphs' own."""
         self.options = options
+        self.device = device
         self.plans: list[Plan] = []
         self.on_joint: list[Callable[[torch.fx.GraphModule, Any, dict[str, Any]], None]] = []
         self.on_partitioned: list[Callable[[Partitioned], None]] = []
@@ -185,6 +188,7 @@ class CkptBackend:
                 partitioner=self.partitioner,
                 strict=self.options.strict,
                 dump=_dumper(folder) if folder is not None else None,
+                device=self.device,
             )
             if debug:
                 fw, bw = debug_checks_pass(fw, bw, recomputed=set(plan.recomputed), values=debug == "values")
@@ -245,7 +249,7 @@ class CkptBackend:
         device)."""
         stayed = [n.meta.get(PATH_KEY) or n.name for n in fw.graph.output_node().args[0][num_fwd_outputs:]
                   if isinstance(n, torch.fx.Node) and n.meta.get(OFFLOAD_KEY)]
-        if plan.offloaded and graph_device(joint) == "cpu":
+        if plan.offloaded and (self.device or graph_device(joint)) == "cpu":
             self._warn_once(
                 f"ckpt_fx: {name} keeps {len(plan.offloaded)} saved values ({format_size(plan.offloaded_bytes)}) in host "
                 "memory, but this graph runs on the CPU: there is no device memory to free, so offloading saves nothing "

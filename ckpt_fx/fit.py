@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
+import warnings
 import dataclasses
 import fnmatch
 from collections.abc import Callable, Iterable, Sequence
@@ -48,14 +50,21 @@ from ckpt_fx.dynamo_backend import CkptBackend, Options
 from ckpt_fx.report import _fresh_function, training_loss
 from passes import Plan, step_peak_bytes
 from passes.graphs import copy_graph_module
-from passes.sizes import UNITS_SHOWN, parse_size
+from passes.sizes import UNITS_SHOWN, format_size, parse_size
+from passes.warn import BudgetWarning
 from passes.sizes import size_literal as _size_text
-from passes._compat import FakeCopyMode, FakeTensor, FakeTensorMode, mark_dynamic, pytree
+from passes._compat import FakeCopyMode, FakeTensor, FakeTensorMode, mark_dynamic, offload_bandwidth, pytree
+from passes.costs import ROOFLINES
+from passes.offload import copy_seconds
 
-DEFAULT_POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "budget:fit")
+DEFAULT_POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "offload", "budget:fit",
+                    "budget:fit,offload")
 BUDGET_AT_THE_CAP = "budget:fit"
-"""In `policies`: a memory budget set to what the memory leaves after weights and optimizer state."""
+"""In `policies`: a memory budget set to what the memory leaves after weights and optimizer state
+("budget:fit,offload": one that may keep saved values in host memory too)."""
 PRECISIONS = ("fp32", "bf16-mixed")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The weights' dtypes fit takes by name (`dtype`, --dtype)."""
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """Tensors of state per trainable parameter (SGD: its momentum buffer)."""
 DEVICES = ("cuda", "cpu")
@@ -78,16 +87,30 @@ class FitRow:
 
     policy: str
     peak_bytes: int
-    """Predicted peak of a training step at the traced batch: weights, gradients, optimizer state
-    and activations (Note [What fit adds to the plan])."""
+    """Predicted device peak of a training step at the traced batch: weights, gradients, optimizer
+    state and activations (Note [What fit adds to the plan])."""
+    peak_in: str
+    """Where the step peaks: "forward/backward" or "optimizer step"."""
     weights_bytes: int
     """Parameters and buffers."""
     grads_bytes: int
     """Gradients of the trainable parameters."""
     optimizer_bytes: int
     """The optimizer's state."""
+    optimizer_temporary_bytes: int
+    """What optimizer.step() allocates while it runs (foreach AdamW on a GPU: one tensor per
+    trainable parameter); counted in the peak when the step peaks there."""
     activations_bytes: int
-    """The rest of the peak: activations and temporaries (and gradients made so far)."""
+    """At the forward/backward's peak, what it holds besides weights, optimizer state and
+    parameter gradients: activations and temporaries."""
+    offloaded_bytes: int
+    """Host memory the plan's offloaded values take."""
+    compute_s: float
+    """Seconds of the step's forward, backward and recompute at the device's peak FLOP/s (a
+    roofline: a lower bound, for comparing policies)."""
+    copy_s: float
+    """Seconds the copies to host memory and back add, compute hiding what it can (Note [Offload]
+    in passes/offload.py)."""
     recompute_flops_fraction: float
     """FLOPs recomputed in the backward over the FLOPs of a step's forward and backward."""
     recomputed_ops: int
@@ -100,7 +123,8 @@ class FitRow:
 
 @dataclass(frozen=True)
 class FitReport:
-    """fit()'s answer: one row per policy, and the cheapest policy that fits."""
+    """fit()'s answer: one row per policy, the fastest policy that fits, and when none does,
+    what would make the step fit."""
 
     rows: tuple[FitRow, ...]
     memory_bytes: int
@@ -110,8 +134,12 @@ class FitReport:
     parameters: int
     trainable_parameters: int
     best: str | None
-    """The policy that fits at the traced batch with the least recompute (FLOPs, then ops); None
-    if none fits."""
+    """The policy that fits at the traced batch with the fastest predicted step (compute and
+    copies not hidden), then the lowest peak; None if none fits."""
+    weights_dtype: str = "fp32"
+    """The dtype of the weights that are not trained, and of trained ones when they share it."""
+    suggestions: tuple[str, ...] = ()
+    """When nothing fits: the smallest changes that would, each in words."""
     _step: _Step | None = field(default=None, repr=False, compare=False)
     _traced: tuple[_Traced, ...] = field(default=(), repr=False, compare=False)
 
@@ -120,36 +148,61 @@ class FitReport:
         limit = parse_memory(memory)
         rows = tuple(t.row(self._step, limit) for t in self._traced)
         fitting = [r for r in rows if r.fits]
-        best = min(fitting, key=lambda r: (r.recompute_flops_fraction, r.recomputed_ops, r.peak_bytes)) if fitting else None
-        return dataclasses.replace(self, rows=rows, memory_bytes=limit, best=best.policy if best else None)
+        best = min(fitting, key=lambda r: (r.compute_s + r.copy_s, r.recomputed_ops, r.peak_bytes)) if fitting else None
+        report = dataclasses.replace(self, rows=rows, memory_bytes=limit, best=best.policy if best else None)
+        return dataclasses.replace(report, suggestions=() if best else tuple(report._suggest()))
 
     def to_json(self) -> list[dict[str, Any]]:
         return [asdict(row) for row in self.rows]
 
+    def _suggest(self) -> list[str]:
+        """The smallest changes that would make the step fit (Note [What fit adds to the plan])."""
+        step, limit = self._step, self.memory_bytes
+        out = []
+        batch = max(self.rows, key=lambda r: r.max_batch)
+        if batch.max_batch:
+            out.append(f"a batch of {batch.max_batch} fits with {batch.policy}")
+        fixed = step.weights + step.states + step.grads
+        if fixed > limit or not batch.max_batch:
+            if step.trainable_share > 0.5:
+                out.append("train LoRA adapters on a frozen base (--lora r=16): gradients and optimizer state only for them")
+            if step.frozen_fp32:
+                half = step.weights - step.frozen_fp32 // 2
+                out.append(f"a bf16 base (--dtype bf16): weights {format_size(half)} instead of {format_size(step.weights)}")
+        if not any(r.offloaded_bytes for r in self.rows):
+            out.append("offload (policy offload, or budget:fit,offload): saved activations in host memory")
+        return out
+
     def __str__(self) -> str:
         unit, gib = ("GiB", 2**30) if self.memory_bytes >= 2**32 else ("MiB", 2**20)
+        weights = f"{self.weights_dtype} weights" + ("" if self.precision == "fp32" else f", {self.precision} autocast")
         out = [
             f"ckpt_fx fit: {_count(self.parameters)} parameters ({_count(self.trainable_parameters)} trainable), "
-            f"batch {self.batch}, {self.precision}, optimizer {self.optimizer}, memory {_size_text(self.memory_bytes)}",
+            f"batch {self.batch}, {weights}, optimizer {self.optimizer}, device memory {_size_text(self.memory_bytes)}",
             "",
-            f"| policy | peak {unit} | weights | grads | optimizer | activations | recompute FLOPs | max batch | fits |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            f"| policy | peak {unit} | peaks in | weights | grads | optimizer state | optimizer step | activations | "
+            "host (offloaded) | recompute FLOPs | step time (compute + copies) | max batch | fits |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in self.rows:
             out.append(
-                f"| {r.policy} | {r.peak_bytes / gib:.2f} | {r.weights_bytes / gib:.2f} | {r.grads_bytes / gib:.2f} | "
-                f"{r.optimizer_bytes / gib:.2f} | {r.activations_bytes / gib:.2f} | {r.recompute_flops_fraction:.1%} | "
-                f"{r.max_batch if r.max_batch else 'none fits'} | {'yes' if r.fits else 'no'} |"
+                f"| {r.policy} | {r.peak_bytes / gib:.2f} | {r.peak_in} | {r.weights_bytes / gib:.2f} | "
+                f"{r.grads_bytes / gib:.2f} | {r.optimizer_bytes / gib:.2f} | {r.optimizer_temporary_bytes / gib:.2f} | "
+                f"{r.activations_bytes / gib:.2f} | {r.offloaded_bytes / gib:.2f} | {r.recompute_flops_fraction:.1%} | "
+                f"{_seconds(r.compute_s)} + {_seconds(r.copy_s)} | {r.max_batch if r.max_batch else 'none fits'} | "
+                f"{'yes' if r.fits else 'no'} |"
             )
         out.append("")
         if self.best is not None:
-            out.append(f"cheapest policy that fits at batch {self.batch}: {self.best}")
+            out.append(f"fastest policy that fits at batch {self.batch}: {self.best}")
         else:
             fixed = min(r.weights_bytes + r.grads_bytes + r.optimizer_bytes for r in self.rows)
             out.append(f"no policy fits at batch {self.batch}"
-                       + (f": weights, gradients and optimizer state alone need {fixed / gib:.2f} GiB"
+                       + (f": weights, gradients and optimizer state alone need {fixed / gib:.2f} {unit}"
                           if fixed > self.memory_bytes else ""))
-        out.append("planned for the eager inner compiler; peaks exclude the CUDA context and allocator fragmentation")
+            out.extend(f"  would fit: {s}" for s in self.suggestions)
+        out.append("planned for the eager inner compiler; step times are a roofline (peak FLOP/s, the copies at "
+                   "torch's host bandwidth); peaks exclude the CUDA context and allocator fragmentation")
         return "\n".join(out)
 
 
@@ -163,6 +216,8 @@ def fit(
     trainable: Iterable[str] | None = None,
     device: str = "cuda",
     batch_dim: int = 0,
+    dtype: str | torch.dtype | None = None,
+    progress: bool = False,
     **kwargs: Any,
 ) -> FitReport:
     """Predict a training step's peak memory per policy, without running it or allocating the model.
@@ -172,8 +227,13 @@ def fit(
     never allocated. `args`/`kwargs`: one batch as the model takes it (real, meta or fake tensors;
     only their shapes and dtypes are read). `trainable`: parameter-name patterns (fnmatch) to train,
     the rest frozen; default: the model's own requires_grad. `device`: where the step would run
-    ("cuda" or "cpu": how the optimizer holds its temporaries). `policies` may hold "budget:fit",
-    a memory budget of what `memory` leaves after weights and optimizer state. Returns a
+    ("cuda" or "cpu": how the optimizer holds its temporaries). `dtype` ("bf16", "fp16", "fp32" or
+    a torch dtype): the weights' dtype; the parameters that are not trained (a frozen base under
+    LoRA) and the buffers are cast to it, the trained ones keep theirs (fp32 master weights and
+    adapters, as mixed-precision training and peft keep them). `policies` may hold "budget:fit",
+    a memory budget of what `memory` leaves after weights and optimizer state ("budget:fit,offload"
+    one that may offload). Rows with offload give the host bytes and the time the copies add
+    (torch's activation_offload_cpu_gpu_bw). `progress`: a bar on stderr while planning. Returns a
     FitReport; the largest batch each policy fits is found by evaluating its plan at other batch
     sizes (dimension `batch_dim` of every input that has it is traced as dynamic).
     """
@@ -184,7 +244,8 @@ def fit(
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
-    parsed = [p if p == BUDGET_AT_THE_CAP else policy_forms.parse(p) for p in policies]
+    cast = _dtype(dtype)
+    parsed = [p if _at_the_cap(p) else policy_forms.parse(p) for p in policies]
     if not parsed:
         raise ValueError("policies: give at least one policy, e.g. ('none', 'blocks')")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -207,6 +268,8 @@ def fit(
         patterns = [trainable] if isinstance(trainable, str) else list(trainable)
         for name, p in fake.named_parameters():
             p.requires_grad_(any(fnmatch.fnmatchcase(name, pat) for pat in patterns))
+    if cast is not None:
+        _cast_frozen(fake, cast)
     args, kwargs = pytree.tree_map(lambda x: _fake(mode, x), (args, kwargs))
     batch = _mark_batch(args, kwargs, batch_dim)
 
@@ -221,32 +284,87 @@ def fit(
         states=OPTIMIZER_STATES[optimizer] * grads,
         temporaries=0 if optimizer == "none" else grads if device == "cuda" else 2 * max(_nbytes(p) for p in train),
         batch=batch,
+        trainable_share=sum(p.numel() for p in train) / max(1, sum(p.numel() for p in params)),
+        frozen_fp32=sum(_nbytes(p) for p in params if not p.requires_grad and p.dtype == torch.float32),
+        flops_per_second=ROOFLINES[device][0],
+        bandwidth=offload_bandwidth(),
     )
     cap = limit - step.weights - step.states
-    parsed = [policy_forms.budget(_size_text(cap)) if p == BUDGET_AT_THE_CAP else p for p in parsed]
-    capped = [p for p, given in zip(parsed, policies) if given == BUDGET_AT_THE_CAP]  # may not be reached: warn, not raise
-    capped_name = (f"budget:fit ({_size_text(cap)} for the step at {_size_text(limit)})" if cap > 0
-                   else f"budget:fit (the lowest plan: nothing left at {_size_text(limit)})")
-    traced = [
-        _Traced(capped_name if policy in capped else policy_forms.policy_name(policy), tuple(plans), step_flops,
-                _batch_symbols(plans, batch))
-        for policy, (plans, step_flops) in zip(parsed, _plan(fake, args, kwargs, parsed, precision, lenient=capped))
-    ]
+    at_cap = {}  # the budget:fit policies, made for this memory: they may not be reached (warn, not raise)
+    for k, given in enumerate(policies):
+        if _at_the_cap(given):
+            offload = given.partition(",")[2].strip() == "offload"
+            at_cap[k] = policy_forms.budget(_size_text(max(cap, 1)), offload=offload)
+            parsed[k] = at_cap[k]
+
+    def name(k: int, policy: policy_forms.Policy) -> str:
+        if k not in at_cap:
+            return policy_forms.policy_name(policy)
+        shown = policies[k]
+        return (f"{shown} ({_size_text(cap)} for the step at {_size_text(limit)})" if cap > 0
+                else f"{shown} (the lowest plan: nothing left at {_size_text(limit)})")
+
+    planned = _plan(fake, args, kwargs, parsed, precision, lenient=list(at_cap.values()), device=device,
+                    progress=progress)
+    traced = [_Traced(name(k, policy), tuple(plans), step_flops, _batch_symbols(plans, batch))
+              for k, (policy, (plans, step_flops)) in enumerate(zip(parsed, planned))]
+    weights_dtype = {DTYPES[k]: k for k in DTYPES}.get(cast, str(cast)) if cast is not None else _dtype_name(params)
     report = FitReport(rows=(), memory_bytes=limit, batch=batch, precision=precision, optimizer=optimizer,
                        parameters=sum(p.numel() for p in params), trainable_parameters=sum(p.numel() for p in train),
-                       best=None, _step=step, _traced=tuple(traced))
+                       best=None, weights_dtype=weights_dtype, _step=step, _traced=tuple(traced))
     return report.for_memory(limit)
+
+
+def _at_the_cap(policy: object) -> bool:
+    """A "budget:fit" form: a budget at what the memory leaves (optionally ",offload")."""
+    return isinstance(policy, str) and policy.replace(" ", "") in (BUDGET_AT_THE_CAP, BUDGET_AT_THE_CAP + ",offload")
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A weights' dtype by name or as a torch dtype; ValueError naming the names otherwise."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower() in DTYPES:
+        return DTYPES[dtype.strip().lower()]
+    raise ValueError(f"dtype: expected one of {', '.join(DTYPES)} (or a floating torch dtype), got {dtype!r}")
+
+
+def _dtype_name(params: list[torch.Tensor]) -> str:
+    """The dtype most of the parameters have, by name."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    common = max(sizes, key=sizes.get)
+    return {v: k for k, v in DTYPES.items()}.get(common, str(common).replace("torch.", ""))
+
+
+def _cast_frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters that are not trained, and the buffers, to `dtype`, in place."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                setattr(module, name, torch.nn.Parameter(p.detach().to(dtype), requires_grad=False))
+        for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if b.is_floating_point() and b.dtype != dtype:
+                setattr(module, name, b.to(dtype))
 
 
 @dataclass(frozen=True)
 class _Step:
-    """A step's bytes besides the plan's (Note [What fit adds to the plan])."""
+    """A step's bytes besides the plan's (Note [What fit adds to the plan]), and the device's speeds."""
 
     weights: int
     grads: int
     states: int
     temporaries: int
     batch: int
+    trainable_share: float = 1.0
+    """Trainable parameters over all parameters."""
+    frozen_fp32: int = 0
+    """Bytes of the fp32 parameters that are not trained (what a bf16 base halves)."""
+    flops_per_second: float = 4e14
+    bandwidth: float = 50 * 2**30
+    """Bytes per second of a copy to host memory and back."""
 
 
 @dataclass(frozen=True)
@@ -259,19 +377,31 @@ class _Traced:
     batch_symbols: dict[int, tuple[str, ...]]
 
     def peak_at(self, step: _Step, batch: int) -> int:
+        return max(self._phases(step, batch))
+
+    def _phases(self, step: _Step, batch: int) -> tuple[int, int]:
+        """(peak of the forward and backward, peak of optimizer.step()) with the step's other bytes."""
         at = [p.at(**{s: batch for s in self.batch_symbols.get(id(p), ())}) for p in self.plans]
-        return max(step.weights + step.states + step_peak_bytes(at),
-                   step.weights + step.grads + step.states + step.temporaries)
+        return (step.weights + step.states + step_peak_bytes(at),
+                step.weights + step.grads + step.states + step.temporaries)
 
     def row(self, step: _Step, limit: int) -> FitRow:
-        peak = self.peak_at(step, step.batch)
+        passes, optimizer = self._phases(step, step.batch)
+        peak = max(passes, optimizer)
+        flops = self.step_flops + sum(p.recompute_flops for p in self.plans)
         return FitRow(
             policy=self.policy,
             peak_bytes=peak,
+            peak_in="forward/backward" if passes >= optimizer else "optimizer step",
             weights_bytes=step.weights,
             grads_bytes=step.grads,
             optimizer_bytes=step.states,
-            activations_bytes=max(0, peak - step.weights - step.grads - step.states),
+            optimizer_temporary_bytes=step.temporaries,
+            activations_bytes=max(0, passes - step.weights - step.states - step.grads),
+            offloaded_bytes=sum(p.offloaded_bytes for p in self.plans),
+            compute_s=flops / step.flops_per_second,
+            copy_s=sum(copy_seconds(p, flops_per_second=step.flops_per_second, bandwidth=step.bandwidth)
+                       for p in self.plans),
             recompute_flops_fraction=sum(p.recompute_flops for p in self.plans) / self.step_flops if self.step_flops else 0.0,
             recomputed_ops=sum(len(p.recomputed) for p in self.plans),
             max_batch=_largest(lambda b: self.peak_at(step, b), limit, step.batch,
@@ -302,9 +432,17 @@ def with_lora(model: torch.nn.Module, *, r: int, alpha: int | None = None) -> to
         raise ImportError("LoRA planning needs peft: pip install peft (or the project's [test] extra)") from None
     try:
         config = peft.LoraConfig(r=r, lora_alpha=alpha or 2 * r, lora_dropout=0.0)
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # peft asks transformers under a name transformers 5 deprecates (is_gradient_checkpointing):
+            # theirs to change, not the user's.
+            warnings.simplefilter("ignore", FutureWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as error:
         raise ValueError(f"--lora: peft could not add adapters to {type(model).__name__}: {error}") from None
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
 
 
 def _count(n: int) -> str:
@@ -364,27 +502,45 @@ def _mark_batch(args: Any, kwargs: Any, batch_dim: int) -> int:
 
 
 def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_forms.Policy],
-          precision: str, *, lenient: list[policy_forms.Policy]) -> list[tuple[list[Plan], int]]:
+          precision: str, *, lenient: list[policy_forms.Policy], device: str = "cuda",
+          progress: bool = False) -> list[tuple[list[Plan], int]]:
     """Trace one training step on fake tensors and plan it with each policy; per policy, its plans
     and the step's FLOPs. The step is traced once: each joint graph AOTAutograd hands to the first
     policy's backend is copied to every other policy's first. A policy in `lenient` (a budget at
-    the cap) plans its lowest with a warning where no plan reaches it; the others raise."""
-    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient)) for p in policies]
+    the cap) plans its lowest where no plan reaches it, quietly (its row shows it does not fit);
+    the others raise. `progress`: a bar on stderr, one step per policy and graph."""
+    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient), device=device)
+                for p in policies]
     first = backends[0]
+    bar = _bar(len(backends)) if progress else None
+
+    def partition(backend: CkptBackend, joint: torch.fx.GraphModule, joint_inputs: Any, kw: dict[str, Any]):
+        if bar is not None:
+            bar.set_postfix_str(policy_forms.policy_name(backend.options.policy)[:40])
+        planned = backend.partition(joint, joint_inputs, **kw)
+        if bar is not None:
+            bar.update(1)
+        return planned
 
     def plan_others(joint: torch.fx.GraphModule, joint_inputs: Any, kw: dict[str, Any]) -> None:
         copies = [copy_graph_module(joint) for _ in backends[1:]]  # before any pass changes the joint graph
+        if bar is not None:
+            bar.total += len(backends) if bar.n else 0  # a graph break: another round of policies
         for backend, joint_copy in zip(backends[1:], copies):
-            backend.partition(joint_copy, joint_inputs, **kw)
+            partition(backend, joint_copy, joint_inputs, kw)
 
     first.on_joint.append(plan_others)
+    first.on_partitioned.append(lambda done: bar.update(1) if bar is not None else None)
     for p in model.parameters():
         p.grad = None
     compiled = torch.compile(_fresh_function(lambda *a, **k: model(*a, **k)), backend=first)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
-    with cast:
+    with cast, warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetWarning)  # budget:fit's row says what it reaches
         loss = training_loss(compiled(*args, **kwargs))
-    loss.backward()
+        loss.backward()
+    if bar is not None:
+        bar.close()
     for p in model.parameters():
         p.grad = None
     out = []
@@ -393,6 +549,14 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
             raise RuntimeError(f"fit: {policy_forms.policy_name(policy)} planned no graph (see the warning above)")
         out.append((list(backend.plans), sum(p.step_flops for p in backend.plans)))
     return out
+
+
+def _bar(total: int):
+    """A progress bar on stderr over the policies' plans, with elapsed time and what is left."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="plan", file=sys.stderr, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} plans [{elapsed} elapsed, {remaining} left]{postfix}")
 
 
 def _batch_symbols(plans: list[Plan], batch: int) -> dict[int, tuple[str, ...]]:

@@ -38,7 +38,7 @@ from passes.regions import REGION_KEY, RegionKind, forward_nodes
 from passes.select import Reason
 from passes.sizes import format_size, size_literal
 from passes.solve import FRONT_SOLVES, Infeasible, Problem, Solution, pareto_front, parts_pay_off, save_all, smallest_budget, solve
-from passes.warn import warn_user
+from passes.warn import BudgetWarning, warn_user
 
 # Note [Peak-aware budget]
 # The saved bytes a solver bounds are not the peak: recomputation rebuilds values that then live
@@ -82,6 +82,7 @@ def build_problem(
     fused: bool = False,
     bandwidth: float | None = None,
     num_fwd_outputs: int | None = None,
+    device: str | None = None,
 ) -> Graph:
     """The recompute Problem of a joint graph whose nodes carry regions and costs. `costs`:
     "roofline" (Note [Roofline cost] in passes/costs.py; `fused` prices the ops Inductor fuses as
@@ -89,8 +90,8 @@ def build_problem(
     `bandwidth` (bytes per second), when given, lets the values torch's offload pass can move be
     offloaded, a copy priced at its bytes over it (Note [Offload in the recompute problem] in
     passes/solve.py); the first `num_fwd_outputs` outputs of the joint graph are the user's and
-    stay."""
-    device = graph_device(gm)
+    stay. `device`: the device type to price for (default: the graph's)."""
+    device = device or graph_device(gm)
     user_outputs = set(gm.graph.output_node().args[0][:num_fwd_outputs]) if num_fwd_outputs is not None else set()
     cost = measured_costs(device) if costs == "measured" else (lambda n: roofline_cost(n, device, fused=fused))
     fwd = forward_nodes(gm.graph)
@@ -206,9 +207,9 @@ class Candidates:
 
     def __init__(self, gm: torch.fx.GraphModule, *, hard_rules: dict[str, Reason], grid: tuple[float, ...], solver: str,
                  node_limit: int, costs: str = "roofline", fused: bool = False, bandwidth: float | None = None,
-                 num_fwd_outputs: int | None = None):
+                 num_fwd_outputs: int | None = None, device: str | None = None):
         self.graph = build_problem(gm, hard_rules=hard_rules, costs=costs, fused=fused, bandwidth=bandwidth,
-                                   num_fwd_outputs=num_fwd_outputs)
+                                   num_fwd_outputs=num_fwd_outputs, device=device)
         self.grid, self.solver, self.node_limit, self.fused = grid, solver, node_limit, fused
         self.base = baseline_bytes(self.graph.problem)
         self._made: dict[int, Candidate] = {}
@@ -221,8 +222,8 @@ class Candidates:
             # candidate (a part with too many front points; Note [Plans bounded by counts]).
             self.front = pareto_front(problem, node_limit=node_limit,
                                       max_solves=math.inf if solver == "parts" else FRONT_SOLVES)
-            if not self.front.exact and solver == "auto":
-                self.front = None
+            if not self.front.exact and solver == "auto" and not problem.offloads():
+                self.front = None  # with offload the parts' front stands (Note [Offload in the recompute problem])
 
     def __len__(self) -> int:
         return len(self.grid) + 1
@@ -269,7 +270,7 @@ class Candidates:
         bandwidth = (spec.bandwidth or offload_bandwidth()) if spec.offload else None
         return cls(joint.gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=spec.solver,
                    node_limit=spec.node_limit, costs=spec.costs, fused=fused, bandwidth=bandwidth,
-                   num_fwd_outputs=joint.num_fwd_outputs)
+                   num_fwd_outputs=joint.num_fwd_outputs, device=joint.device)
 
 
 NOTHING_TO_LOWER = 0.01
@@ -345,7 +346,7 @@ def choose(joint: Joint, spec: BudgetSpec, *, hard_rules: dict[str, Reason], str
     if error is not None:
         if strict:
             raise error
-        warn_user(f"ckpt_fx: {error}; planned the lowest")
+        warn_user(f"ckpt_fx: {error}; planned the lowest", BudgetWarning)
     return planned, choice
 
 

@@ -75,6 +75,19 @@ def offload_pass(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, num_fwd_
     return offloaded
 
 
+def copy_seconds(plan, *, flops_per_second: float, bandwidth: float) -> float:
+    """Seconds a plan's copies to host memory and back add to a training step, compute hiding
+    what it can: per unit, the copies out beside one unit's forward and back beside its backward
+    (twice the forward), the rest added; copies outside every unit added in full (Note [Offload in
+    the recompute problem] in passes/solve.py)."""
+    total = 0.0
+    for block in plan.blocks:
+        copies, window = block.offloaded_bytes / bandwidth, block.forward_flops / flops_per_second
+        total += max(0.0, copies - window) + max(0.0, copies - 2 * window)
+    outside = plan.offloaded_bytes - sum(b.offloaded_bytes for b in plan.blocks)
+    return total + 2 * outside / bandwidth
+
+
 def on_host(node: torch.fx.Node) -> bool:
     """A value that lives in host memory: a copy out of the device, or a backward's input holding
     one (torch names them cpu_offload_<name>)."""

@@ -31,6 +31,7 @@ def run(
     partitioner: str = "default",
     strict: bool = False,
     dump: Dump | None = None,
+    device: str | None = None,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
     """dropout -> batchnorm -> regions -> costs, then the plan: a per-node policy's
     (passes.planner: select -> partition -> fold twins -> schedule -> memory), or a memory
@@ -39,6 +40,7 @@ def run(
     `partitioner`: "default" or "min_cut" (passes.partition, Note [Min-cut under Inductor]).
     `strict`: a memory budget no plan reaches raises instead of planning the lowest with a warning.
     `dump(pass_name, "before"|"after", gm)`, when given, sees each pass's graph.
+    `device`: the device type to plan for when not the graph's own (its costs).
     """
     steps = Steps(dump)
     steps.run("dropout", lambda: dropout_pass(joint), joint)
@@ -54,7 +56,7 @@ def run(
     )
     prepared = Joint(gm=joint, inputs=joint_inputs, num_fwd_outputs=num_fwd_outputs,
                      static_lifetime_input_indices=static_lifetime_input_indices, partitioner=partitioner,
-                     block_paths=tuple(b.name for b in region_map.blocks), steps=steps)
+                     block_paths=tuple(b.name for b in region_map.blocks), steps=steps, device=device)
     if isinstance(policy, BudgetSpec):
         planned, choice = budget.choose(prepared, policy, hard_rules=forced, strict=strict)
     else:

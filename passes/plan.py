@@ -51,6 +51,8 @@ class BlockPlan:
     """Bytes of the values it recomputes: what checkpointing it keeps out of the saved set."""
     offloaded_bytes: int = 0
     """Bytes of its saved values kept in host memory between the forward and the backward."""
+    forward_flops: int = 0
+    """FLOPs of its forward: the compute its copies to host memory run beside."""
 
 
 class PeakModel(str, enum.Enum):

@@ -39,6 +39,9 @@ class Joint:
     block_paths: tuple[str, ...]
     """The units' names in forward order: the Plan reports each of them."""
     steps: Steps
+    device: str | None = None
+    """The device type the plan is for, when not the graph's own (fit traces CPU fakes for a GPU):
+    what the cost model prices with."""
 
 
 def plan_policy(joint: Joint, policy: Policy, *, cse: bool | None = None) -> Planned:

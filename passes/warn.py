@@ -27,6 +27,10 @@ _INTERNAL = tuple(
 )
 
 
+class BudgetWarning(UserWarning):
+    """A memory budget no plan of a graph reaches: the lowest was planned instead."""
+
+
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """warnings.warn with the stack level of the first caller outside torch, ckpt_fx, passes, the
     standard library and installed packages: the line in the user's script that ran the model."""

@@ -9,6 +9,10 @@
    activation memory budget at each budget, Inductor alone beside `ckpt:none`, torch's op-level
    selective checkpointing beside `ckpt:selective`, and HF per-block checkpointing; each peer
    marked with the ckpt setup that dominates it.
+4. Offload on the built-in LLaMA-style model (bf16 autocast, Inductor): `offload` and a budget with
+   offload beside `blocks`, torch's knob and torch's offload of hand-tagged matmul outputs
+   (`inductor-offload`): device peak, step time, and each offload plan's measured device peak
+   against its prediction (within 10% expected).
 
 Prints the tables; exits non-zero when a test fails, a section fails or times out, or a ckpt
 setup's gradients differ from eager's by more than rounding (1e-4 relative in fp32, 2e-2 in bf16).
@@ -80,6 +84,9 @@ def main() -> int:
         ("llama-fp32", LLAMA, [f"ckpt-eager:{p}" for p in POLICIES], False, 1e-4, 100),
         ("llama-bf16", LLAMA, [f"ckpt-eager:{p}" for p in POLICIES], True, 2e-2, 100),
         ("gpt2-inductor", GPT2, None, False, 1e-4, 420),
+        ("llama-offload", LLAMA, ["ckpt:blocks:every=1,skip_first=0", "ckpt:offload:every=1,skip_first=0",
+                                  "ckpt:offload", "ckpt:budget:0.3", "ckpt:budget:0.3,offload", "inductor-budget:0.3",
+                                  "inductor-offload"], True, 2e-2, 240),
     ]
     for name, model, setups, amp, tolerance, seconds in runs:
         if args.quick:
@@ -99,6 +106,10 @@ def main() -> int:
                     failures.append(f"{name} {row['setup']}: {row['error']}")
                 elif row["setup"].startswith("ckpt") and not row["grad_rel_diff"] <= tolerance:
                     failures.append(f"{name} {row['setup']}: gradients differ from eager by {row['grad_rel_diff']:.1e}")
+                elif "offload" in row["setup"] and row["setup"].startswith("ckpt") and row["predicted_mb"]:
+                    ratio = row["peak_mb"] / row["predicted_mb"]
+                    print(f"offload prediction: {row['setup']}: measured {row['peak_mb']:.1f} MB, predicted "
+                          f"{row['predicted_mb']:.1f} MB ({ratio:.3f}x){'' if abs(ratio - 1) <= 0.1 else '  OUTSIDE 10%'}")
         else:
             print(_tail(out / f"{name}.log", 30))
     for failure in failures:

@@ -15,7 +15,7 @@ import torch
 from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend
 from ckpt_fx.dynamo_backend import backend as ckpt_backend
-from passes._compat import activation_memory_budget, own_backend, per_block_checkpointing
+from passes._compat import activation_memory_budget, own_backend, per_block_checkpointing, torch_offloading
 
 CPU_SETUPS = (
     "eager", "checkpoint", "aot_eager-budget:0.5", "ckpt-eager:blocks", "ckpt-eager:blocks:every=1,skip_first=0",
@@ -27,11 +27,12 @@ per setup on a CPU, so its rows are asked for (--setups, --sweep)."""
 CUDA_SETUPS = (
     "eager", "checkpoint", "inductor", "inductor-budget:0.5", "inductor-sac", "ckpt:none", "ckpt:blocks",
     "ckpt:blocks:every=1,skip_first=0", "ckpt:selective", "ckpt:budget:0.5", "ckpt:budget:0.3",
+    "inductor-offload", "ckpt:offload", "ckpt:offload:every=1,skip_first=0", "ckpt:budget:0.3,offload",
 )
 """The default on a GPU: the ground users train on (Inductor alone, torch's knob, torch's op-level
-selective checkpointing) beside our plans under Inductor."""
+selective checkpointing, torch's offload of hand-tagged values) beside our plans under Inductor."""
 SETUP_FORMS = (
-    "eager, checkpoint, sac, inductor-sac, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, "
+    "eager, checkpoint, sac, inductor-sac, aot_eager, inductor, aot_eager-budget:<x>, inductor-budget:<x>, inductor-offload, "
     "ckpt:<policy> (the default inner compiler), ckpt-eager:<policy>, ckpt-inductor:<policy>"
 )
 PEERS = ("eager", "checkpoint", "sac", "inductor-sac", "aot_eager", "inductor")
@@ -67,6 +68,9 @@ class Kind(str, enum.Enum):
     """torch.compile alone."""
     KNOB = "knob"
     """torch.compile under torch's activation_memory_budget."""
+    TORCH_OFFLOAD = "torch-offload"
+    """torch.compile (Inductor) with torch's offload pass on values tagged by hand: every matmul
+    output the partition saves, torch's own waits and prefetch."""
     CKPT = "ckpt"
     """Ours."""
 
@@ -95,6 +99,8 @@ class Setup:
             return Setup(name=name, kind=Kind.SAC, compiler="inductor")
         if name in ("aot_eager", "inductor"):
             return Setup(name=name, kind=Kind.COMPILE, compiler=name)
+        if name == "inductor-offload":
+            return Setup(name=name, kind=Kind.TORCH_OFFLOAD, compiler="inductor")
         compiler, _, knob = name.partition("-budget:")
         if knob and compiler in ("aot_eager", "inductor"):
             try:
@@ -135,6 +141,10 @@ class Setup:
             return (wrapped if self.compiler is None else torch.compile(wrapped, backend=own_backend(self.compiler))), None, none
         if self.kind == Kind.COMPILE:
             return torch.compile(model, backend=own_backend(self.compiler)), None, none
+        if self.kind == Kind.TORCH_OFFLOAD:
+            streams = next((p.device.type for p in model.parameters()), "cpu") == "cuda"
+            return (torch.compile(model, backend=own_backend(self.compiler)), None,
+                    functools.partial(torch_offloading, _is_matmul, streams=streams))
         if self.kind == Kind.KNOB:  # torch's own knob: the min-cut partitioner under an activation memory budget
             return (torch.compile(model, backend=own_backend(self.compiler)), None,
                     functools.partial(activation_memory_budget, self.budget))
@@ -181,6 +191,11 @@ def hf_checkpointing_enable(model: torch.nn.Module, **checkpoint_kwargs: Any) ->
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
     return model
+
+
+def _is_matmul(node: torch.fx.Node) -> bool:
+    """A matmul's output: what the torch-offload setup tags for offloading, as a user would by hand."""
+    return str(getattr(node.target, "overloadpacket", node.target)) in policies.OP_CLASSES["matmul"]
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):
