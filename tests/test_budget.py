@@ -12,7 +12,9 @@ from ckpt_fx.bench.models import build
 from passes.solve import Infeasible
 from tests._models import Recorder
 
-BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.15)
+# The lowest stays clear of what a plan can reach: torch 2.15's partition saves less without
+# checkpointing than 2.13's, so a fraction counts from a lower base (0.15 is reachable on 2.13 only).
+BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.25)
 
 
 @pytest.fixture(scope="module")

@@ -172,3 +172,15 @@ def test_no_import_circles(trees):
         if module not in state:
             visit(module, [])
     assert cycles == []
+
+
+@pytest.mark.parametrize("module", ["passes.costs", "ckpt_fx.fit", "ckpt_fx.bench.table"])
+def test_a_deprecation_attributed_to_our_code_fails_the_suite(module):
+    """pyproject.toml's filters: a DeprecationWarning or FutureWarning that torch (or anything)
+    attributes to our code, about an API we call, is an error in the suite, not hidden."""
+    import warnings
+
+    for category in (DeprecationWarning, FutureWarning):
+        with pytest.raises(category):
+            warnings.warn_explicit("this API goes away", category, filename="x.py", lineno=1, module=module)
+    warnings.warn_explicit("not ours", DeprecationWarning, filename="x.py", lineno=1, module="some_library")

@@ -159,6 +159,7 @@ FROZEN_CONV_SEGMENT = Spec(depth=2, width=8, heads=1, embedding=False, attention
                            residual=False, conv=True, frozen=True)
 
 
+@pytest.mark.slow
 # Two compiles and two measured steps per example: half the profile's examples (the gradient
 # property above, the contract, runs them all; the "large" profile runs 125 here).
 @settings(max_examples=max(8, settings.default.max_examples // 2))
@@ -254,6 +255,7 @@ def test_parity_on_device(device):
         assert bitwise_equal(got, ref), policy
 
 
+@pytest.mark.slow
 @given(spec=specs, batch=st.integers(1, 3), seq=st.integers(2, 6))
 def test_budget_plans_are_exact_and_the_smallest_budget_named_fits(spec, batch, seq):
     """budget(0.3) either plans (gradients bitwise those of the un-checkpointed run) or fails
@@ -285,6 +287,7 @@ def offload_coin_policy(info: ckpt_fx.NodeInfo) -> CheckpointPolicy:
 OFFLOADING = ["offload", "offload:every=1,skip_first=0", "budget:0.05,offload,bandwidth=1000", offload_coin_policy]
 
 
+@settings(max_examples=max(8, settings.default.max_examples // 3))  # each example compiles three times
 @given(spec=specs, policy=st.sampled_from(OFFLOADING), batch=st.integers(1, 3), seq=st.integers(2, 6))
 def test_offload_plans_train_as_the_same_plan_without_offload(spec, policy, batch, seq):
     """Note [Offload] in passes/offload.py: keeping saved values in host memory changes where
