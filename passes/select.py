@@ -18,7 +18,7 @@ from passes._compat import (
     size_hint,
 )
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view
-from passes.offload import OFFLOAD_KEY
+from passes.offload import OFFLOAD_KEY, offloadable
 from passes.policy import NodeInfo, Policy
 from passes.regions import PATH_KEY, REGION_KEY, Region, RegionKind, forward_nodes
 
@@ -182,7 +182,8 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason
                 "MUST_CPU_OFFLOAD or PREFER_CPU_OFFLOAD)"
             )
         if decision in OFFLOAD:
-            node.meta[OFFLOAD_KEY] = True
+            if offloadable(node):  # what cannot move (a size under dynamic shapes, a view) stays on the device
+                node.meta[OFFLOAD_KEY] = True
             decision = CheckpointPolicy.MUST_SAVE if decision == CheckpointPolicy.MUST_CPU_OFFLOAD else CheckpointPolicy.PREFER_SAVE
         node.meta[RECOMPUTE_KEY] = decision
         node.meta[REASON_KEY] = BY_POLICY
