@@ -1,5 +1,6 @@
 """ckpt-fx: activation checkpointing as a torch.compile backend and an FX graph rewrite.
 
+    ckpt_fx.enable(model)                                                  # in place, training steps only
     compiled = torch.compile(model, backend="ckpt")                        # entry point, no import
     compiled = torch.compile(model, backend=ckpt_fx.backend(policy="segments:4"))
     gm2 = ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(model), "sqrt", example_inputs=(x,))
@@ -11,11 +12,9 @@ import logging
 # Note [A package that imports torch when used]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # `python -m ckpt_fx --help` imports this package first; importing torch costs seconds, so the
-# names below are loaded on first use (PEP 562). Two of them, `backend` and `explain`, are both a
-# function here and a submodule: the import system binds a submodule onto its package when it is
-# first imported, which would replace the function, so the package keeps its own binding for
-# those names (`_Package.__setattr__`); `import ckpt_fx.dynamo_backend` and `from ckpt_fx.dynamo_backend import
-# ...` still find the module in sys.modules.
+# names below are loaded on first use (PEP 562). No exported name is also a submodule's name
+# (the backend factory lives in ckpt_fx.dynamo_backend, explain in ckpt_fx.report), so importing a
+# submodule never rebinds one of them.
 _EXPORTS = {
     "BlockPlan": "passes",
     "CheckpointPolicy": "passes._compat",
@@ -27,6 +26,9 @@ _EXPORTS = {
     "RewrittenGraphModule": "ckpt_fx.rewrite",
     "SavedTensor": "passes",
     "backend": "ckpt_fx.dynamo_backend",
+    "disable": "ckpt_fx.in_place",
+    "enable": "ckpt_fx.in_place",
+    "enabled": "ckpt_fx.in_place",
     "explain": "ckpt_fx.report",
     "peak_bytes": "ckpt_fx.measure",
     "policies": None,

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ft.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="the weights' dtype: the frozen base (under --lora) and buffers are cast to it, trained "
                          "parameters keep theirs (fp32 master weights and adapters); default: as built (fp32)")
-    ft.add_argument("--policies", default="none;blocks;blocks:every=1,skip_first=0;selective;sqrt;offload;budget:fit;"
+    ft.add_argument("--policies", default="none;blocks;selective;sqrt;offload;budget:fit;"
                                           "budget:fit,offload",
                     help="';'-separated policies to plan; budget:fit is a memory budget of what --memory leaves "
                          "after weights and optimizer state, budget:fit,offload one that may keep saved values in "

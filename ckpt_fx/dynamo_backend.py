@@ -145,11 +145,18 @@ class CkptBackend:
     AOTAutograd hands a joint graph over, before any pass changes it (to copy it, say); each in
     `on_partitioned` with a Partitioned record once it is planned, before the graphs go back."""
 
-    def __init__(self, options: Options, *, device: str | None = None):
+    def __init__(self, options: Options, *, device: str | None = None, kernels: bool = True, count_runs: bool = False):
         """`device`: the device type the plans are for when the graphs are traced on another
-        (fit traces on CPU fake tensors for a GPU); by default the graphs' own."""
+        (fit traces on CPU fake tensors for a GPU); by default the graphs' own. `kernels=False`
+        (Inductor only): plan as Inductor would, run the graphs as Python, no kernels generated
+        (explain's plans in seconds). `count_runs`: record in `runs` the plan of each graph as it
+        runs (a graph run once per block after a graph break in the loop over blocks)."""
         self.options = options
         self.device = device
+        self.kernels = kernels
+        self.runs: list[int] = []
+        """With count_runs: the index in `plans` of each graph's forward run, in order."""
+        self._count_runs = count_runs
         self.plans: list[Plan] = []
         self.on_joint: list[Callable[[torch.fx.GraphModule, Any, dict[str, Any]], None]] = []
         self.on_partitioned: list[Callable[[Partitioned], None]] = []
@@ -211,6 +218,7 @@ class CkptBackend:
             self._warn_if_unmatched(plan, name)
             self._warn_if_outputs_held(plan)
             self._warn_about_offload(plan, joint, fw, name, num_fwd_outputs=kwargs["num_fwd_outputs"])
+            self._warn_if_less_than_the_model_had(plan, name)
             log.info(
                 "ckpt_fx: %s: saved %.1f MB, offloaded %.1f MB, recompute %d ops (%.2f GFLOP), predicted peak %.1f MB",
                 name,
@@ -261,6 +269,19 @@ class CkptBackend:
                 "contiguous, not views or a tuple's elements, and not returned by the graph (in "
                 f"{', '.join(sorted(set(stayed))[:3])}{' ...' if len(set(stayed)) > 3 else ''})")
 
+    def _warn_if_less_than_the_model_had(self, plan: Plan, name: str) -> None:
+        """Warn once when the model checkpointed units itself (Hugging Face's switch; TRL turns it
+        on) and this plan, which replaces that, recomputes fewer of them."""
+        recomputed = {b.path for b in plan.blocks if b.recomputed_ops}
+        left = [u for u in plan.checkpointed_by_model if u not in recomputed]
+        if left:
+            shown = ", ".join(left[:4]) + (" ..." if len(left) > 4 else "")
+            self._warn_once(
+                f"ckpt_fx: the model checkpoints {len(plan.checkpointed_by_model)} units itself (torch.utils.checkpoint, "
+                f"e.g. Hugging Face's gradient checkpointing, which TRL turns on); {name} replaces that and recomputes "
+                f"{len(plan.checkpointed_by_model) - len(left)} of them, keeping more for the backward than the model's "
+                f"own plan would ({shown} not recomputed); policy 'blocks:every=1,skip_first=0' recomputes each of them")
+
     def _warn_if_unmatched(self, plan: Plan, name: str) -> None:
         """Warn once when a policy matched nothing in a graph that has blocks, or when an only_in
         pattern names no module of it, listing the module paths that do exist."""
@@ -296,15 +317,25 @@ class CkptBackend:
         return f"ckpt_fx:{spec}:strict={self.options.strict}:{cache_hash(tuple(map(str, files)))}"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        planned = len(self.plans)
         if self.options.compiler == "inductor":
-            compile_fn = inductor_with_partitioner(self.partition, self.cache_key())
-            return compile_fn(gm, example_inputs)
-        return aot_autograd(
-            fw_compiler=boxed_nop,
-            bw_compiler=boxed_nop,
-            partition_fn=self.partition,
-            keep_inference_input_mutations=True,
-        )(gm, example_inputs)
+            compile_fn = inductor_with_partitioner(self.partition, self.cache_key(), kernels=self.kernels)
+            compiled = compile_fn(gm, example_inputs)
+        else:
+            compiled = aot_autograd(
+                fw_compiler=boxed_nop,
+                bw_compiler=boxed_nop,
+                partition_fn=self.partition,
+                keep_inference_input_mutations=True,
+            )(gm, example_inputs)
+        if not self._count_runs or len(self.plans) != planned + 1:
+            return compiled
+        return _counted(compiled, self.runs, planned)
+
+    def plans_as_run(self) -> list[Plan]:
+        """The plans in the order their graphs ran, each as often as it ran (with count_runs;
+        else each once, in the order compiled): what step_peak_bytes reads."""
+        return [self.plans[i] for i in self.runs] if self.runs else list(self.plans)
 
 
 def backend(
@@ -323,6 +354,17 @@ def backend(
     """
     given = {k: v for k, v in (("debug", debug), ("debug_dir", debug_dir), ("compiler", compiler)) if v is not None}
     return CkptBackend(Options(policy=policies.parse(policy), strict=strict, **Options.merged(given)))
+
+
+def _counted(compiled: Callable[..., Any], runs: list[int], index: int) -> Callable[..., Any]:
+    """`compiled`, recording `index` in `runs` at each call; called as `compiled` is (boxed or not)."""
+    def counted(*args, **kwargs):
+        runs.append(index)
+        return compiled(*args, **kwargs)
+
+    if getattr(compiled, "_boxed_call", False):
+        counted._boxed_call = True
+    return counted
 
 
 def _dumper(folder: pathlib.Path):

@@ -57,7 +57,7 @@ from passes._compat import FakeCopyMode, FakeTensor, FakeTensorMode, mark_dynami
 from passes.costs import ROOFLINES
 from passes.offload import copy_seconds
 
-DEFAULT_POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0", "selective", "sqrt", "offload", "budget:fit",
+DEFAULT_POLICIES = ("none", "blocks", "selective", "sqrt", "offload", "budget:fit",
                     "budget:fit,offload")
 BUDGET_AT_THE_CAP = "budget:fit"
 """In `policies`: a memory budget set to what the memory leaves after weights and optimizer state
@@ -509,8 +509,8 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
     policy's backend is copied to every other policy's first. A policy in `lenient` (a budget at
     the cap) plans its lowest where no plan reaches it, quietly (its row shows it does not fit);
     the others raise. `progress`: a bar on stderr, one step per policy and graph."""
-    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient), device=device)
-                for p in policies]
+    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient), device=device,
+                            count_runs=k == 0) for k, p in enumerate(policies)]
     first = backends[0]
     bar = _bar(len(backends)) if progress else None
 
@@ -547,7 +547,9 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
     for policy, backend in zip(policies, backends):
         if not backend.plans:
             raise RuntimeError(f"fit: {policy_forms.policy_name(policy)} planned no graph (see the warning above)")
-        out.append((list(backend.plans), sum(p.step_flops for p in backend.plans)))
+        # Every policy's graphs are the first's, planned in the same order: they ran as the first's did.
+        runs = first.runs if len(backend.plans) == len(first.plans) else range(len(backend.plans))
+        out.append(([backend.plans[i] for i in runs], sum(backend.plans[i].step_flops for i in runs)))
     return out
 
 

@@ -1,6 +1,6 @@
 """Checkpoint policies: callables `policy(node_info) -> CheckpointPolicy`, and their string forms.
 
-    blocks(every=1, skip_first=1)   "blocks", "blocks:4", "blocks:every=2,skip_first=0"
+    blocks(every=1, skip_first=auto) "blocks", "blocks:4", "blocks:every=2,skip_first=1"
     segments(size, skip_first=0)    "segments:4"
     sqrt(skip_first=0)              "sqrt"
     none()                          "none"
@@ -89,24 +89,37 @@ def _units(unit_of: Callable[[Block], Hashable | None], *, offload: bool = False
     return policy
 
 
-def _skipped(block: Block, skip_first: int) -> bool:
-    """One of the first skip_first units, and not a heavy one (Note [What skip_first skips])."""
+AUTO = "auto"
+
+
+def _skipped(block: Block, skip_first: int | str) -> bool:
+    """One of the first skip_first units, and not a heavy one; under skip_first="auto", a leading
+    unit whose checkpointing keeps out little (Note [What skip_first skips])."""
+    if skip_first == AUTO:
+        return block.leading_light
     return block.number < skip_first and not block.heavy
 
 
-def blocks(*, every: int = 1, skip_first: int = 1, offload: bool = False) -> Policy:
-    """Checkpoint block i when i % every == 0, except the first skip_first blocks (i counts all
-    blocks from 0). `offload=True` keeps what the checkpointed blocks save (their outputs, the
-    next block's inputs) in host memory between the forward and the backward: the blocks are
-    recomputed from host copies (Unsloth's recipe; Note [Offload] in passes/offload.py).
+def _skip(name: str, value: object, *, factory: str) -> int | str:
+    """skip_first: "auto" or an int >= 0."""
+    return AUTO if value == AUTO else _int(name, value, minimum=0, factory=factory)
 
-    every=1 checkpoints every block after the first skip_first; every=4 is the familiar
-    `if i > 0 and i % 4 == 0: checkpoint(layer)` loop. A skipped block that computes more than
-    twice the median block's activations (a vision model's first stage, at full resolution) is
-    checkpointed all the same (Note [What skip_first skips] in passes/regions.py).
+
+def blocks(*, every: int = 1, skip_first: int | str = AUTO, offload: bool = False) -> Policy:
+    """Checkpoint block i when i % every == 0, except the first skip_first blocks (i counts all
+    blocks from 0); skip_first="auto" (the default) leaves whole only leading units that hold
+    little (a small stem), none in a stack of alike blocks, as Hugging Face's per-block
+    checkpointing recomputes every block (Note [What skip_first skips] in passes/regions.py).
+    `offload=True` keeps what the checkpointed blocks save (their outputs, the next block's
+    inputs) in host memory between the forward and the backward: the blocks are recomputed from
+    host copies (Unsloth's recipe; Note [Offload] in passes/offload.py).
+
+    every=4 is the familiar `if i > 0 and i % 4 == 0: checkpoint(layer)` loop with skip_first=1.
+    A block skipped by count that computes more than twice the median block's activations (a
+    vision model's first stage, at full resolution) is checkpointed all the same.
     """
     every = _int("every", every, minimum=1, factory="blocks")
-    skip_first = _int("skip_first", skip_first, minimum=0, factory="blocks")
+    skip_first = _skip("skip_first", skip_first, factory="blocks")
 
     def unit_of(block: Block) -> Hashable | None:
         i = block.number
@@ -370,16 +383,21 @@ def _whole(text: str) -> int:
     return int(text)
 
 
+def _auto_or_whole(text: str) -> int | str:
+    return AUTO if text.strip().lower() == AUTO else int(text)
+
+
 def _names(text: str) -> tuple[str, ...]:
     """'matmul+attention' -> ("matmul", "attention")."""
     return tuple(x.strip() for x in text.split("+") if x.strip())
 
 
 _TEXT_FORMS = {
-    "blocks": _Form(factory=lambda **k: blocks(**k), positional="every", keywords={"every": _whole, "skip_first": _whole},
-                    shown='"blocks", "blocks:N", "blocks:every=N,skip_first=K"'),
+    "blocks": _Form(factory=lambda **k: blocks(**k), positional="every", keywords={"every": _whole, "skip_first": _auto_or_whole},
+                    shown='"blocks", "blocks:N", "blocks:every=N,skip_first=K|auto"'),
     "offload": _Form(factory=lambda **k: blocks(offload=True, **k), positional="every",
-                     keywords={"every": _whole, "skip_first": _whole}, shown='"offload", "offload:every=N,skip_first=K"'),
+                     keywords={"every": _whole, "skip_first": _auto_or_whole},
+                     shown='"offload", "offload:every=N,skip_first=K|auto"'),
     "segments": _Form(factory=lambda **k: segments(**k), positional="size", keywords={"size": _whole, "skip_first": _whole},
                       required="size", shown='"segments:N", "segments:size=N,skip_first=K"'),
     "sqrt": _Form(factory=lambda **k: sqrt(**k), keywords={"skip_first": _whole}, shown='"sqrt", "sqrt:skip_first=K"'),
@@ -433,7 +451,8 @@ def parse(spec: str | Policy | None) -> Policy:
     if form is None:
         close = difflib.get_close_matches(name, [*_TEXT_FORMS, "budget"], n=1)
         did = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown policy {spec!r}{did}; valid forms: {', '.join(FORMS)}")
+        raise ValueError(f"unknown policy {spec!r}{did}; policies: {', '.join([*_TEXT_FORMS, 'budget'])} "
+                         f"(forms such as \"blocks:every=2\", \"budget:0.3\": README, Policies), or a callable")
     kwargs: dict[str, object] = {}
     for part in filter(None, (p.strip() for p in args.split(","))):
         key, eq, value = (x.strip() for x in part.partition("="))
@@ -448,7 +467,7 @@ def parse(spec: str | Policy | None) -> Policy:
         try:
             kwargs[key] = form.keywords[key](value)
         except ValueError:
-            what = "a whole number" if form.keywords[key] is _whole else "readable"
+            what = {_whole: "a whole number", _auto_or_whole: "a whole number or auto"}.get(form.keywords[key], "readable")
             raise ValueError(f"policy {spec!r}: {key}={value!r} is not {what}; {name} is written {form.shown}") from None
     if form.required is not None and form.required not in kwargs:
         raise ValueError(f"policy {spec!r}: {name} needs {form.required}; {name} is written {form.shown}")

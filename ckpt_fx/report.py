@@ -140,14 +140,17 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     per block the saved bytes, the recomputed ops and FLOPs, every saved tensor, the predicted peak
     (and the measured one, with eager's beside it, when `measure=True`). `compiler` is the inner
     compiler to plan for (default: the backend's, CKPT_FX_COMPILER or Inductor); the plans differ
-    (under Inductor torch's min-cut decides what the policy leaves open).
+    (under Inductor torch's min-cut decides what the policy leaves open). Under Inductor the plans
+    are made as Inductor makes them, but no kernel is generated unless `measure=True` (the step
+    runs its graphs op by op): a report in seconds. A graph that runs several times in the step
+    (a graph break inside the loop over blocks) counts as often as it runs in the predicted peak.
 
     The model is not changed, and the process is left as it was: the random number generators'
     states are restored, and no compiled model is reset (explain compiles a fresh function of its
     own, so dynamo's caches for the user's models are untouched)."""
     options = Options(policy=policies.parse(policy), **Options.merged({"compiler": compiler} if compiler else {}))
     name = policies.policy_name(options.policy)
-    backend = CkptBackend(options)
+    backend = CkptBackend(options, kernels=measure, count_runs=True)
     unplanned = []  # each joint graph as it came, to plan again without checkpointing
     backend.on_joint.append(lambda joint, joint_inputs, kw: unplanned.append((copy_graph_module(joint), joint_inputs, kw)))
     work = copy.deepcopy(model)
@@ -162,6 +165,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     # A plan served from Inductor's FX graph cache would not be made again: nothing to report.
     with torch.random.fork_rng(devices=cuda), no_fx_graph_cache():
         step(compiled)
+        runs = list(backend.runs)  # the first step's: each graph as often as it ran
         measured = eager = None
         if measure:
             for p in work.parameters():
@@ -176,14 +180,15 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     baseline = CkptBackend(Options(policy=policies.parse("none"), compiler="eager"))
     for joint, joint_inputs, kw in unplanned:
         baseline.partition(joint, joint_inputs, **kw)
+    as_run = (lambda ps: [ps[i] for i in runs]) if runs and len(baseline.plans) == len(plans) else list  # noqa: E731
     return Report(
         policy=name,
         plans=plans,
-        predicted_peak_bytes=step_peak_bytes(plans),
+        predicted_peak_bytes=step_peak_bytes(as_run(plans)),
         compiler=options.compiler,
         measured_peak_bytes=measured,
         eager_peak_bytes=eager,
-        no_checkpoint_peak_bytes=step_peak_bytes(baseline.plans) if baseline.plans else None,
+        no_checkpoint_peak_bytes=step_peak_bytes(as_run(baseline.plans)) if baseline.plans else None,
         warnings=tuple(_pitfalls(options.policy, name, plans)),
         units=tuple(_units(plans)),
     )

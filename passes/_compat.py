@@ -27,6 +27,7 @@ __all__ = [
     "aot_module_simplified",
     "boxed_nop",
     "cache_hash",
+    "CHECKPOINT_REGION_KEY",
     "CheckpointPolicy",
     "CPU_OFFLOAD_PREFIX",
     "default_partition",
@@ -69,6 +70,8 @@ __all__ = [
 
 # The meta key torch's partitioners read for per-node recompute decisions.
 RECOMPUTE_KEY = "recompute"
+# The meta key on nodes traced inside a torch.utils.checkpoint region (one id per region).
+CHECKPOINT_REGION_KEY = "ac_graph_id"
 
 
 # Note [Versions of torch]
@@ -220,11 +223,14 @@ def has_inductor_partitioner_hook() -> bool:
     return hasattr(inductor_config, "custom_partitioner_fn")
 
 
-def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None) -> Callable[..., Any] | None:
+def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *,
+                              kernels: bool = True) -> Callable[..., Any] | None:
     """A torch.compile backend running Inductor with `partition` as its partitioner, after
     Inductor's own joint-graph passes (config.custom_partitioner_fn); None when this torch lacks
     the hook. `uuid` keys Inductor's FX graph cache: it must change with anything that changes
-    the plan, or the cache serves a plan made for another policy; None turns the cache off."""
+    the plan, or the cache serves a plan made for another policy; None turns the cache off.
+    `kernels=False`: the partitioned graphs run as Python, op by op, instead of as Inductor's
+    generated kernels: the plan Inductor would get, in seconds (no caching)."""
     import torch._inductor.config as inductor_config
 
     if not hasattr(inductor_config, "custom_partitioner_fn"):
@@ -247,7 +253,18 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None) -
         with inductor_config.patch(custom_partitioner_fn=Partitioner()):
             return compile_fx(gm, example_inputs)
 
-    return compile_with_partitioner
+    def plan_without_kernels(gm, example_inputs):
+        import torch._functorch.config as functorch_config
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def run_as_python(graph, inputs, **kwargs):
+            return make_boxed_func(graph.forward)
+
+        with inductor_config.patch(custom_partitioner_fn=Partitioner(), fx_graph_cache=False), \
+                functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=run_as_python)
+
+    return compile_with_partitioner if kernels else plan_without_kernels
 
 
 # torch's names for the copies its offload pass inserts (it identifies them by these prefixes).

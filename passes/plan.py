@@ -172,6 +172,9 @@ class GraphFacts:
     """Every module path the graph's nodes came from, sorted."""
     top_level_units: bool = False
     """No stack of repeated blocks: top-level children served as units."""
+    checkpointed_by_model: tuple[str, ...] = ()
+    """Units the model checkpointed itself (torch.utils.checkpoint regions, e.g. Hugging Face's
+    gradient checkpointing): the plan replaces that checkpointing."""
 
 
 _PREDICTED = tuple(f.name for f in dataclasses.fields(Prediction) if f.name != "at")
@@ -214,6 +217,9 @@ class Plan:
     recomputed_embedding_ops: int = 0
     """Embedding ops the policy asked to recompute: it saves nothing (the embedding's output is
     the next unit's input, kept anyway)."""
+    checkpointed_by_model: tuple[str, ...] = ()
+    """Units the model checkpointed itself (torch.utils.checkpoint regions, e.g. Hugging Face's
+    gradient checkpointing), which this plan replaces."""
     budget: Choice | None = None
     """What a memory budget chose for this graph (the candidate's peak, the limit, where the plan
     came from, the budget it reaches when none fits); None for other policies."""
@@ -263,6 +269,7 @@ def assemble(planned: Planned, *, policy: str, facts: GraphFacts, hard_rules: di
         units=facts.units,
         module_paths=facts.module_paths,
         top_level_units=facts.top_level_units,
+        checkpointed_by_model=facts.checkpointed_by_model,
         budget=choice,
         _at=prediction.at,
     )

@@ -78,6 +78,9 @@ class Block:
     heavy: bool = False
     """The unit computes more than HEAVY_RATIO times the median unit's activation bytes (a first
     stage at full resolution); skip_first does not skip it (Note [What skip_first skips])."""
+    leading_light: bool = False
+    """It and every unit before it compute less than LIGHT_RATIO times the median unit's
+    activation bytes: checkpointing them keeps out little (skip_first="auto" leaves them whole)."""
 
     @property
     def name(self) -> str:
@@ -90,7 +93,14 @@ class Block:
 # recompute keeps out little next to the time it costs. A unit that computes several times what a
 # typical unit does (the first stage of a vision model, at full resolution) is the opposite: it
 # holds most of the activations. So skip_first leaves out the first units except the heavy ones.
+# Counting units to skip is the wrong measure anyway: a transformer's first block holds as many
+# activations as any other, and skipping it kept a block's worth more than per-block
+# checkpointing (Hugging Face's, which the default must not lose to). So the default,
+# skip_first="auto", decides by what skipping keeps: it leaves whole only the leading units that
+# compute under LIGHT_RATIO times the median unit's activation bytes (a small stem), none in a
+# stack of alike blocks.
 HEAVY_RATIO = 2.0
+LIGHT_RATIO = 0.25
 
 
 class RegionKind(str, enum.Enum):
@@ -292,8 +302,9 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
             activation_bytes=weight[unit],
             in_stage=any(_inside_member(stack_of[unit], outer) for outer in nested_in),
             heavy=len(order) > 2 and weight[unit] > HEAVY_RATIO * median,
+            leading_light=all(weight[u] < LIGHT_RATIO * median for u in order[: position + 1]),
         )
-        for unit in order
+        for position, unit in enumerate(order)
     }
 
     for node in gm.graph.nodes:

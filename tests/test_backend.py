@@ -106,7 +106,7 @@ def test_one_info_line_per_compiled_graph(caplog):
         train_step(make(SPEC), inputs(SPEC, 2, 6), b)
     lines = [r.getMessage() for r in caplog.records if r.name == "ckpt_fx" and r.levelno == logging.INFO]
     assert len(lines) == len(b.plans) == 1
-    assert "blocks(every=1, skip_first=1): saved" in lines[0] and "predicted peak" in lines[0]
+    assert "blocks(every=1, skip_first=auto): saved" in lines[0] and "predicted peak" in lines[0]
 
 
 def test_graph_breaks_plan_every_graph_with_right_block_numbers():
@@ -125,7 +125,7 @@ def test_skip_first_counts_blocks_of_the_model_not_of_the_graph():
     """After a graph break, the second graph's first block is block 2, and blocks(skip_first=1)
     checkpoints it."""
 
-    b = ckpt_fx.backend(policy="blocks", strict=True)
+    b = ckpt_fx.backend(policy="blocks:every=1,skip_first=1", strict=True)
     train_step(BrokenBetweenBlocks(), inputs(Spec(), 2, 6), b)
     paths = [[bp.path for bp in plan.blocks if bp.recomputed_ops] for plan in b.plans]
     assert paths == [["net.layers.1"], ["net.layers.2", "net.layers.3"]]

@@ -16,9 +16,12 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name != "cnn.py"], ids=lambda p: p.name)
+CHECKED = {"cnn.py", "trainer.py", "trl_sft.py", "lightning_module.py"}
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name not in CHECKED], ids=lambda p: p.name)
 def test_example_runs(path):
-    """Every example but cnn.py, which its own test below runs and reads."""
+    """Every example but those whose own tests below run and read them."""
     done = run(str(path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip()
@@ -26,7 +29,24 @@ def test_example_runs(path):
 
 def test_examples_exist():
     assert {p.name for p in EXAMPLES} >= {"quickstart.py", "rewrite_fx.py", "custom_policy.py", "finetune_causal_lm.py",
-                                         "cnn.py", "rnn.py"}
+                                         "cnn.py", "rnn.py", "trainer.py", "trl_sft.py", "lightning_module.py"}
+
+
+@pytest.mark.parametrize("name, lines", [
+    ("trainer.py", ["graphs planned since training: 0", "reloaded weights equal the trained ones: True", "disabled: True"]),
+    ("trl_sft.py", ["gradient checkpointing (TRL's default): True", "the model's own checkpointing covered 4 blocks; recomputed in 4",
+                    "equals the trained one: True"]),
+    ("lightning_module.py", ["trained 3 steps", "checkpoint keys are the module's own: True",
+                             "reloaded weights equal the trained ones: True"]),
+])
+def test_trainers_train_save_and_reload_an_enabled_model(name, lines):
+    """ckpt_fx.enable with the trainers people use: Hugging Face's (evaluate and generate without
+    compiling), TRL's SFTTrainer with LoRA (its own checkpointing replaced, every block recomputed),
+    Lightning; each saves what reloads to the trained weights."""
+    done = run(str(ROOT / "examples" / name))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in lines:
+        assert line in done.stdout, (line, done.stdout[-2000:])
 
 
 def test_cnn_example_keeps_batchnorm_stats_and_lowers_the_peak():

@@ -25,9 +25,9 @@ def info(block: Block | None, users: tuple, *, region: str | None = None, path: 
 @pytest.mark.parametrize(
     "spec, name",
     [
-        (None, "blocks(every=1, skip_first=1)"),
-        ("blocks", "blocks(every=1, skip_first=1)"),
-        ("blocks:4", "blocks(every=4, skip_first=1)"),
+        (None, "blocks(every=1, skip_first=auto)"),
+        ("blocks", "blocks(every=1, skip_first=auto)"),
+        ("blocks:4", "blocks(every=4, skip_first=auto)"),
         ("blocks:every=2,skip_first=0", "blocks(every=2, skip_first=0)"),
         ("segments:4", "segments(size=4, skip_first=0)"),
         ("segments:size=3,skip_first=1", "segments(size=3, skip_first=1)"),
@@ -39,7 +39,7 @@ def info(block: Block | None, users: tuple, *, region: str | None = None, path: 
         ("selective:save=matmul", "selective(save=('matmul'), skip_first=0)"),
         ("selective:save=matmul+attention,skip_first=2", "selective(save=('matmul', 'attention'), skip_first=2)"),
         ("sqrt:skip_first=1", "sqrt(skip_first=1)"),
-        ("offload", "blocks(every=1, skip_first=1, offload=True)"),
+        ("offload", "blocks(every=1, skip_first=auto, offload=True)"),
         ("offload:every=2,skip_first=0", "blocks(every=2, skip_first=0, offload=True)"),
     ],
 )
@@ -70,7 +70,7 @@ def test_bad_policies_raise_value_error_naming_the_value(spec, fragment):
         ckpt_fx.backend(policy=spec)
     assert fragment in str(err.value)
     if isinstance(spec, str) and "unknown" in fragment:
-        assert '"segments:N"' in str(err.value)
+        assert 'policies: blocks, offload, segments, sqrt, none, graph, selective, budget' in str(err.value)
 
 
 def test_factory_arguments_are_checked():
@@ -103,15 +103,16 @@ def test_blocks_recomputes_insides_and_saves_what_leaves():
     assert p(info(b[1], (b[1],))) == CheckpointPolicy.MUST_RECOMPUTE
     assert p(info(b[1], (b[1], b[2]))) == CheckpointPolicy.MUST_SAVE  # the block's output
     assert p(info(b[1], (None,))) == CheckpointPolicy.MUST_SAVE  # a graph output
-    assert p(info(b[0], (b[0],))) == CheckpointPolicy.PREFER_SAVE  # skip_first=1
+    assert p(info(b[0], (b[0],))) == CheckpointPolicy.MUST_RECOMPUTE  # skip_first="auto": alike blocks, none skipped
+    assert policies.blocks(skip_first=1)(info(b[0], (b[0],))) == CheckpointPolicy.PREFER_SAVE
     assert p(info(None, (b[0],), region="embedding")) == CheckpointPolicy.PREFER_SAVE
     assert p(info(None, (b[0],))) == CheckpointPolicy.PREFER_SAVE
 
 
 def test_every_nth_block_is_the_article_loop():
-    """blocks(every=4) checkpoints exactly the blocks of `if i > 0 and i % 4 == 0`."""
+    """blocks(every=4, skip_first=1) checkpoints exactly the blocks of `if i > 0 and i % 4 == 0`."""
     b = blocks_of(12)
-    p = policies.blocks(every=4)
+    p = policies.blocks(every=4, skip_first=1)
     chosen = [i for i in range(12) if p(info(b[i], (b[i],))) == CheckpointPolicy.MUST_RECOMPUTE]
     assert chosen == [i for i in range(12) if i > 0 and i % 4 == 0]
 

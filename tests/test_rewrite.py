@@ -75,7 +75,7 @@ def test_code_shows_where_recompute_happens():
     x = inputs(SPEC, 2, 8)
     gm2 = ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(model), "blocks", example_inputs=(x,))
     code = gm2.code
-    assert "ckpt_fx plan: blocks(every=1, skip_first=1)" in code
+    assert "ckpt_fx plan: blocks(every=1, skip_first=auto)" in code
     assert code.count("# <- recompute") == len(gm2.plan.recomputed) > 0
 
 

@@ -1,0 +1,115 @@
+"""enable / disable: checkpointing switched on in place, as transformers' own switch is. The model
+keeps its class, its state-dict keys, and, where no gradients are recorded (eval, no_grad,
+generate), its own uncompiled forward.
+
+Note [The module enable switches]
+Trainers call a model in more than one way: Hugging Face's Trainer calls its forward, TRL's
+SFTTrainer replaces that forward with its own (a fused LM head) that calls the backbone holding the
+blocks directly, Lightning calls whatever the LightningModule does. Every way runs the backbone,
+so the switch sits there: on the smallest module holding every stack of repeated blocks (the
+decoder model under a causal-LM head, the encoder and decoder's common parent), or the model itself
+when it has no such stack. What lies outside it (an LM head, a loss) runs eagerly: checkpointing
+recomputes nothing there anyway.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt_fx import policies
+from ckpt_fx.dynamo_backend import CkptBackend, backend
+
+
+@dataclass(frozen=True)
+class _Switched:
+    """What enable changed on one model, to undo it."""
+
+    backend: CkptBackend
+    module: torch.nn.Module
+    """The module whose forward was switched (Note [The module enable switches])."""
+    forward: Any
+    """Its own `forward` attribute before enable (None: it had none, the class's ran)."""
+
+
+_ENABLED: weakref.WeakKeyDictionary[torch.nn.Module, _Switched] = weakref.WeakKeyDictionary()
+
+
+def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, *, compiler: str | None = None,
+           strict: bool = False, dynamic: bool | None = None) -> CkptBackend:
+    """Checkpoint `model`'s training steps with ckpt-fx, in place: its forward runs compiled with
+    backend="ckpt" (and `policy`, `compiler`, `strict` as ckpt_fx.backend takes them) where
+    gradients are recorded in train mode, and as it was anywhere else (eval, torch.no_grad,
+    generate): no compile for those, no recompile for their shapes. The model keeps its class and
+    state-dict keys, so Trainer, TRL and Lightning save and reload it as usual. Enabling again
+    replaces the earlier settings. Returns the backend (its `plans` fill as graphs compile).
+
+    >>> ckpt_fx.enable(model)                 # the default policy, before handing the model to a trainer
+    >>> ckpt_fx.disable(model)                # the model as it was
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"enable: expected a torch.nn.Module, got {type(model).__name__}")
+    chosen = backend(policy=policy, compiler=compiler, strict=strict)  # every option checked here, now
+    disable(model)
+    module = backbone(model)
+    own = module.__dict__.get("forward")
+    original = module.forward
+    compiled = torch.compile(original, backend=chosen, dynamic=dynamic)
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.training and torch.is_grad_enabled():
+            return compiled(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    # A bound method, as the class's forward is (wrappers that unwrap `forward.__func__`, such as
+    # accelerate's autocast, keep working), with the original's signature and name: trainers read
+    # the signature to choose which dataset columns to pass.
+    signature = inspect.signature(original)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+    forward.__name__, forward.__doc__ = getattr(original, "__name__", "forward"), getattr(original, "__doc__", None)
+    module.forward = types.MethodType(forward, module)
+    _ENABLED[model] = _Switched(backend=chosen, module=module, forward=own)
+    return chosen
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The smallest module holding every stack of repeated blocks (children named 0, 1, ... of one
+    class), or `model` when it has none (Note [The module enable switches])."""
+    stacks = []
+    for name, module in model.named_modules():
+        children = dict(module.named_children())
+        if len(children) > 1 and all(k.isdigit() for k in children) and len({type(c) for c in children.values()}) == 1:
+            stacks.append(name)
+    if not stacks:
+        return model
+    parents = [name.rpartition(".")[0].split(".") if "." in name else [] for name in stacks]
+    common = []
+    for parts in zip(*parents):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return model.get_submodule(".".join(common)) if common else model
+
+
+def disable(model: torch.nn.Module) -> None:
+    """Undo enable: the model's forward is the one it had before (its compiled graphs go with the
+    wrapper). Nothing happens to a model that is not enabled."""
+    switched = _ENABLED.pop(model, None)
+    if switched is None:
+        return
+    if switched.forward is None:
+        switched.module.__dict__.pop("forward", None)
+    else:
+        switched.module.forward = switched.forward
+
+
+def enabled(model: torch.nn.Module) -> CkptBackend | None:
+    """The backend enable gave `model`, or None when it is not enabled."""
+    switched = _ENABLED.get(model)
+    return switched.backend if switched is not None else None
