@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from passes._compat import CheckpointPolicy
+from passes.costs import OP_CLASSES, op_class
 from passes.policy import BudgetSpec, NamedPolicy, NodeInfo, Policy, matches_path, uses_blocks
 from passes.regions import Block, RegionKind
 from passes.sizes import UNITS, parse_size
@@ -185,22 +186,6 @@ def graph() -> Policy:
     return _named(policy, "graph()", uses_blocks=False)
 
 
-# Op classes selective() saves by name: aten overload packets, matched on the producing op.
-OP_CLASSES = {
-    "matmul": ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten._int_mm"),
-    "conv": ("aten.convolution", "aten.cudnn_convolution", "aten.mkldnn_convolution", "aten._convolution"),
-    "attention": (
-        "aten._scaled_dot_product_flash_attention",
-        "aten._scaled_dot_product_flash_attention_for_cpu",
-        "aten._scaled_dot_product_efficient_attention",
-        "aten._scaled_dot_product_cudnn_attention",
-        "aten._scaled_dot_product_fused_attention_overrideable",
-        "aten._flash_attention_forward",
-        "aten._efficient_attention_forward",
-    ),
-}
-
-
 def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_first: int = 0) -> Policy:
     """Op-level recompute inside blocks (Megatron's selective recompute, JAX's dots_saveable):
     keep the outputs of expensive ops, recompute the cheap pointwise and normalisation ops.
@@ -215,20 +200,14 @@ def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_fir
     if not save or not all(isinstance(x, str) and x for x in save):
         raise ValueError(f"selective: save must be a non-empty list of strings, got {save!r}; op classes: {', '.join(OP_CLASSES)}")
     skip_first = _int("skip_first", skip_first, minimum=0, factory="selective")
-    ops: set[str] = set()
-    patterns = []
-    for item in save:
-        if item in OP_CLASSES:
-            ops.update(OP_CLASSES[item])
-        elif item.startswith("aten."):
-            ops.add(item)
-        else:
-            patterns.append(item)
+    classes = {item for item in save if item in OP_CLASSES}
+    ops = {item for item in save if item not in classes and item.startswith("aten.")}
+    patterns = [item for item in save if item not in classes and item not in ops]
 
     def kept(info: NodeInfo) -> bool:
         source = info.producer or info.op
         packet = source.rsplit(".", 1)[0] if source.count(".") >= 2 else source
-        return packet in ops or matches_path(info.module_path, patterns)
+        return packet in ops or op_class(packet) in classes or matches_path(info.module_path, patterns)
 
     def policy(info: NodeInfo) -> CheckpointPolicy:
         if info.region != RegionKind.BLOCK or info.block is None or _skipped(info.block, skip_first):

@@ -4,6 +4,7 @@ inner compiler fuses."""
 
 from __future__ import annotations
 
+import fnmatch
 import operator
 import time
 from collections.abc import Callable
@@ -41,13 +42,74 @@ def is_multi_output(node: torch.fx.Node) -> bool:
     return bool(node.users) and all(u.target is operator.getitem for u in node.users)
 
 
+# Note [Op classes]
+# The ops that compute, by class: what selective() saves by name, and what the cost model must
+# never price by bytes alone. A class is matched on the op's overload packet name ("aten.mm"), so
+# a kernel torch adds under a known name pattern (another attention variant, a grouped matmul of a
+# library's own namespace) falls into its class without a change here. Backward kernels are not in
+# a class: selective saves forward values.
+OP_CLASSES = {
+    "matmul": ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten._int_mm", "aten._grouped_mm",
+               "*grouped_mm*"),
+    "conv": ("aten.convolution", "aten.cudnn_convolution", "aten.mkldnn_convolution", "aten._convolution"),
+    "attention": ("*attention*", "*attn*"),
+}
+
+
+def op_class(packet: str) -> str | None:
+    """The class (Note [Op classes]) of an op named by its overload packet ("aten.mm"), or None."""
+    if "backward" in packet:
+        return None
+    for name, patterns in OP_CLASSES.items():
+        if any(fnmatch.fnmatchcase(packet, pattern) for pattern in patterns):
+            return name
+    return None
+
+
+def _attention_flops(query: object, key: object, value: object) -> int:
+    """Two matrix products of an attention forward, q @ k^T and p @ v, with as many key heads as
+    query heads or fewer (grouped-query attention); a causal mask is not halved (torch's counter
+    does the same)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in (query, key, value)):
+        return 0
+    d, s_k, d_v = size_hint(query.shape[-1]), size_hint(key.shape[-2]), size_hint(value.shape[-1])
+    query_rows = _numel(query) // d  # batch x heads x query length
+    return 2 * query_rows * s_k * (d + d_v)
+
+
+def _own_formula(packet: str, args: tuple, out: object) -> int:
+    """FLOPs of a computing op torch's counter has no formula for (Note [Op classes]): attention
+    kernels by their query, key and value (a backward: two and a half forwards, as torch counts),
+    matrix products by their output and inner dimension; 0 for any other op."""
+    backward = packet.endswith("_backward")
+    kind = op_class(packet[: -len("_backward")] if backward else packet)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if kind == "attention":
+        q, k, v = (tensors[1:4] if backward else tensors[:3]) if len(tensors) >= 3 + backward else (None,) * 3
+        forward = _attention_flops(q, k, v)
+        return forward * 5 // 2 if backward else forward
+    if kind == "matmul" and backward and len(tensors) >= 2:
+        # (input, weight, ..., grad_output), as transformers' grouped_mm_fallback_backward takes them:
+        # the input's gradient and the weight's, each one product the size of the forward's.
+        return 2 * 2 * _numel(tensors[0]) * size_hint(tensors[-1].shape[-1])
+    if kind == "matmul" and tensors and isinstance(out, torch.Tensor):
+        return 2 * _numel(out) * size_hint(tensors[0].shape[-1])
+    return 0
+
+
+def _numel(value: torch.Tensor) -> int:
+    numel = 1
+    for x in value.shape:
+        numel *= size_hint(x)
+    return numel
+
+
 def node_flops(node: torch.fx.Node) -> int:
-    """FLOPs of one call, from torch.utils.flop_counter's formulas; 0 where it has none."""
+    """FLOPs of one call, from torch.utils.flop_counter's formulas, or our own for the computing ops
+    it has none for (Note [Op classes]); 0 for the rest (pointwise, normalisation, data movement:
+    the roofline prices them by their bytes)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, OpOverload):
-        return 0
-    formula = flop_registry.get(target.overloadpacket)
-    if formula is None:
         return 0
 
     def val(a):
@@ -55,7 +117,10 @@ def node_flops(node: torch.fx.Node) -> int:
 
     args = pytree.tree_map(val, node.args)
     kwargs = pytree.tree_map(val, node.kwargs)
+    formula = flop_registry.get(target.overloadpacket)
     try:
+        if formula is None:
+            return _own_formula(str(target.overloadpacket), tuple(args), node.meta.get("val"))
         return size_hint(formula(*args, out_val=node.meta.get("val"), **kwargs))
     except Exception:  # noqa: BLE001 - a formula that cannot read these shapes counts nothing
         return 0

@@ -16,6 +16,7 @@ from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend
 from ckpt_fx.dynamo_backend import backend as ckpt_backend
 from passes._compat import activation_memory_budget, own_backend, per_block_checkpointing, torch_offloading
+from passes.costs import op_class
 
 CPU_SETUPS = (
     "eager", "checkpoint", "aot_eager-budget:0.5", "ckpt-eager:blocks", "ckpt-eager:blocks:every=1,skip_first=0",
@@ -195,7 +196,7 @@ def hf_checkpointing_enable(model: torch.nn.Module, **checkpoint_kwargs: Any) ->
 
 def _is_matmul(node: torch.fx.Node) -> bool:
     """A matmul's output: what the torch-offload setup tags for offloading, as a user would by hand."""
-    return str(getattr(node.target, "overloadpacket", node.target)) in policies.OP_CLASSES["matmul"]
+    return op_class(str(getattr(node.target, "overloadpacket", node.target))) == "matmul"
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):
@@ -203,5 +204,4 @@ def _save_matmuls(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     packet = str(getattr(op, "_overloadpacket", op))
-    saved = {name for cls in ("matmul", "attention") for name in policies.OP_CLASSES[cls]}
-    return CheckpointPolicy.MUST_SAVE if packet in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op_class(packet) in ("matmul", "attention") else CheckpointPolicy.PREFER_RECOMPUTE
