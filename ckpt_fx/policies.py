@@ -200,6 +200,11 @@ def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_fir
     if not save or not all(isinstance(x, str) and x for x in save):
         raise ValueError(f"selective: save must be a non-empty list of strings, got {save!r}; op classes: {', '.join(OP_CLASSES)}")
     skip_first = _int("skip_first", skip_first, minimum=0, factory="selective")
+    for item in save:
+        close = difflib.get_close_matches(item, list(OP_CLASSES), n=1, cutoff=0.75)
+        if item not in OP_CLASSES and close:
+            raise ValueError(f"selective: save item {item!r} is not an op class (did you mean {close[0]!r}?); op classes: "
+                             f"{', '.join(OP_CLASSES)}, or aten op names (aten.mm) or module path patterns (*.mlp.*)")
     classes = {item for item in save if item in OP_CLASSES}
     ops = {item for item in save if item not in classes and item.startswith("aten.")}
     patterns = [item for item in save if item not in classes and item not in ops]

@@ -60,6 +60,7 @@ def test_string_forms(spec, name):
         ("sqrt:3", "sqrt takes no bare value, got '3'; sqrt is written \"sqrt\", \"sqrt:skip_first=K\""),
         ("selective:save=matmul,size=2", "selective has no setting 'size' (its settings: save, skip_first); selective is written"),
         ("offload:size=2", "offload has no setting 'size'"),
+        ("selective:save=matmull", "save item 'matmull' is not an op class (did you mean 'matmul'?)"),
         (42, "must be a string or a callable"),
     ],
 )
