@@ -64,13 +64,13 @@ def test_gpt2_memory_and_gradients(gpt2):
     default_peak, default_predicted = results["blocks"]
     assert default_peak <= 0.25 * eager_peak, (default_peak, eager_peak)
     every_peak, every_predicted = results["blocks:every=1,skip_first=0"]
-    assert every_peak <= 1.15 * hf_peak, (every_peak, hf_peak)
+    assert max(every_peak, default_peak) <= 1.15 * hf_peak, (every_peak, default_peak, hf_peak)
     for peak, predicted in results.values():
         assert abs(predicted - peak) <= 0.15 * peak, (predicted, peak)
 
 
 def test_explain_names_each_of_the_12_blocks_with_its_saved_bytes(gpt2):
-    report = ckpt_fx.explain(gpt2.model, *gpt2.args, policy="blocks", **gpt2.kwargs)
+    report = ckpt_fx.explain(gpt2.model, *gpt2.args, policy="blocks:every=1,skip_first=1", **gpt2.kwargs)
     blocks = [b for plan in report.plans for b in plan.blocks]
     assert [b.path for b in blocks] == [f"transformer.h.{i}" for i in range(12)]
     text = str(report)
