@@ -39,14 +39,16 @@ class Workload:
                         kwargs=pytree.tree_map(move, self.kwargs))
 
 
-def gpt2_workload(*, layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 1000, batch: int = 8, seq: int = 256) -> Workload:
-    """transformers' GPT2LMHeadModel from a small config (random weights, eager attention, its default
+def gpt2_workload(*, layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 1000, batch: int = 8, seq: int = 256,
+                  attention: str = "sdpa") -> Workload:
+    """transformers' GPT2LMHeadModel from a small config (random weights, `attention` its
+    attn_implementation: transformers' default, SDPA, unless "eager" is asked for; its default
     dropout, train mode), fed random token ids as input and labels."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=seq,
-                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+                     bos_token_id=0, eos_token_id=0, attn_implementation=attention)
     model = GPT2LMHeadModel(cfg).train()
     ids = torch.randint(0, vocab, (batch, seq))
     return Workload(
@@ -78,8 +80,10 @@ def hf_workload(config_class: str, *, layers: int = 12, dim: int = 256, heads: i
                 batch: int = 8, seq: int = 256, overrides: dict[str, Any] | None = None) -> Workload:
     """A transformers causal LM built from a config class by name (random weights, train mode):
     layers, width and heads set through the config's standard names (num_hidden_layers,
-    hidden_size, num_attention_heads), a 4x MLP where the config has intermediate_size, then
-    `overrides` (any config attribute) on top. Fed random token ids as input and labels."""
+    hidden_size, num_attention_heads), a 4x MLP where the config has intermediate_size, half as
+    many key/value heads (grouped-query attention) where it has num_key_value_heads, transformers'
+    default attention (SDPA), then `overrides` (any config attribute) on top. Fed random token ids
+    as input and labels."""
     import transformers
 
     cls = getattr(transformers, config_class, None)
@@ -92,11 +96,12 @@ def hf_workload(config_class: str, *, layers: int = 12, dim: int = 256, heads: i
                                 "vocab_size": vocab}
     if hasattr(config, "intermediate_size"):
         settings["intermediate_size"] = 4 * dim
-    if hasattr(config, "num_key_value_heads"):
-        settings["num_key_value_heads"] = heads
+    if hasattr(config, "num_key_value_heads"):  # grouped-query attention, as the models people train use
+        settings["num_key_value_heads"] = heads // 2 if heads % 2 == 0 else heads
     if getattr(config, "max_position_embeddings", seq) < seq:
         settings["max_position_embeddings"] = seq
     settings.update(overrides or {})
+    attention = settings.pop("attn_implementation", None)  # not a config attribute: from_config takes it
     for key, value in settings.items():
         if key in (overrides or {}) and not hasattr(config, key):
             raise ValueError(f"model 'hf:{config_class}': the config has no attribute {key!r}")
@@ -105,7 +110,8 @@ def hf_workload(config_class: str, *, layers: int = 12, dim: int = 256, heads: i
         if getattr(config, key, None) is not None and getattr(config, key) >= config.vocab_size:
             setattr(config, key, 0)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config).train()
+        extra = {"attn_implementation": attention} if attention is not None else {}
+        model = transformers.AutoModelForCausalLM.from_config(config, **extra).train()
     except ValueError as error:
         raise ValueError(f"model 'hf:{config_class}': not a causal LM transformers can build: {error}") from None
     ids = torch.randint(0, config.vocab_size, (batch, seq))
