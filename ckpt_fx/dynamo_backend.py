@@ -281,6 +281,14 @@ class CkptBackend:
                 f"e.g. Hugging Face's gradient checkpointing, which TRL turns on); {name} replaces that and recomputes "
                 f"{len(plan.checkpointed_by_model) - len(left)} of them, keeping more for the backward than the model's "
                 f"own plan would ({shown} not recomputed); policy 'blocks:every=1,skip_first=0' recomputes each of them")
+        masks = sum(s.nbytes for s in plan.saved if s.kind == "dropout mask" and s.block in plan.checkpointed_by_model)
+        if plan.checkpointed_by_model and masks:
+            self._warn_once(
+                f"ckpt_fx: the model checkpoints {len(plan.checkpointed_by_model)} units itself (torch.utils.checkpoint, "
+                f"e.g. Hugging Face's gradient checkpointing); {name} replaces that and keeps their dropout masks "
+                f"({format_size(masks)}, one byte per element), where torch.utils.checkpoint draws them again from a "
+                "saved generator state: random ops are never recomputed here. Both give the same gradients; "
+                "to keep no masks, train with dropout 0 (e.g. attention_dropout, hidden_dropout in the config)")
 
     def _warn_if_unmatched(self, plan: Plan, name: str) -> None:
         """Warn once when a policy matched nothing in a graph that has blocks, or when an only_in

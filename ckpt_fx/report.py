@@ -15,7 +15,7 @@ from ckpt_fx.dynamo_backend import CkptBackend, Options
 from ckpt_fx.measure import peak_bytes
 from passes._compat import no_fx_graph_cache, pytree
 from passes import Plan, step_peak_bytes
-from passes.plan import PeakModel
+from passes.plan import PeakModel, SavedTensor
 from passes.sizes import format_size
 from passes.graphs import copy_graph_module
 from passes.policy import uses_blocks
@@ -76,7 +76,7 @@ class Report:
             shape = "x".join(map(str, s.shape)) or "scalar"
             dtype = str(s.dtype).replace("torch.", "")
             size = f"view of {s.view_of}" if shared(s) else f"{s.nbytes / mb:8.3f} MB" + (" (host)" if s.offloaded else "")
-            out.append(f"  {s.module_path or '<top>':40s} {_described(s.op):40s} {shape:>18s} {dtype:8s} {size}")
+            out.append(f"  {s.module_path or '<top>':40s} {_described(s):40s} {shape:>18s} {dtype:8s} {size}")
         if top is not None and len(saved) > top:
             out.append(f"  ... and {len(saved) - top} smaller ones")
         out.append("")
@@ -100,24 +100,10 @@ class Report:
         return "\n".join(out)
 
 
-# Saved values that are not activations: what random ops need to draw the same numbers again.
-_RANDOM_STATE = ("inductor_seeds", "inductor_lookup_seed", "run_and_save_rng_state", "graphsafe_run_with_rng_state",
-                 "get_rng_state", "philox_rand", "philox_seed_like")
-_DROPOUT_MASKS = ("native_dropout[1]", "gt(inductor_random)", "lt(inductor_random)", "ge(inductor_random)",
-                  "le(inductor_random)")
-
-
-def _described(op: str) -> str:
+def _described(saved: SavedTensor) -> str:
     """A saved value's op, with what it is when it is no activation: random-number state, a
     dropout mask."""
-    inner = op
-    while inner.startswith(("detach(", "alias(")) and inner.endswith(")"):
-        inner = inner[inner.index("(") + 1 : -1]
-    if inner.split("[")[0] in _RANDOM_STATE:
-        return f"{op} (random-number state)"
-    if inner in _DROPOUT_MASKS:
-        return f"{op} (dropout mask)"
-    return op
+    return saved.op if saved.kind == "activation" else f"{saved.op} ({saved.kind})"
 
 
 def training_loss(out: Any) -> torch.Tensor:

@@ -17,6 +17,15 @@ if TYPE_CHECKING:
     from passes.select import HardRule
 
 
+# Saved values that are no activations, by the op that made them (SavedTensor.op): what random ops
+# need to draw the same numbers again, and dropout masks (eager's, and Inductor's comparisons of
+# its own random numbers).
+RANDOM_STATE_OPS = ("inductor_seeds", "inductor_lookup_seed", "run_and_save_rng_state", "graphsafe_run_with_rng_state",
+                    "get_rng_state", "philox_rand", "philox_seed_like")
+DROPOUT_MASK_OPS = ("native_dropout[1]", "gt(inductor_random)", "lt(inductor_random)", "ge(inductor_random)",
+                    "le(inductor_random)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SavedTensor:
     """One tensor the forward keeps for the backward."""
@@ -37,6 +46,19 @@ class SavedTensor:
     offloaded: bool = False
     """Kept in host memory between the forward and the backward (Note [Offload] in
     passes/offload.py); its bytes are host bytes."""
+
+    @property
+    def kind(self) -> str:
+        """"activation", "dropout mask" or "random-number state" (what random ops need to draw the
+        same numbers again): read from the op that made it, through detach and alias."""
+        inner = self.op
+        while inner.startswith(("detach(", "alias(")) and inner.endswith(")"):
+            inner = inner[inner.index("(") + 1 : -1]
+        if inner.split("[")[0] in RANDOM_STATE_OPS:
+            return "random-number state"
+        if inner in DROPOUT_MASK_OPS:
+            return "dropout mask"
+        return "activation"
 
 
 @dataclass(frozen=True, kw_only=True)

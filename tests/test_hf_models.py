@@ -4,6 +4,7 @@ their own module paths and gradients equal eager's."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -88,6 +89,22 @@ def test_hf_checkpointing_is_replaced_not_doubled():
     assert both < eager + 1.5 * recompute  # a second recompute would make it eager + 2 x recompute
     for g, r in zip(grads, eager_grads):
         assert torch.allclose(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_replacing_hf_checkpointing_says_what_it_keeps_that_hf_did_not():
+    """BERT with dropout and HF's checkpointing on: HF draws the masks again in the backward, the
+    plan keeps them; the backend says so once, with their size and how to keep none."""
+    torch.manual_seed(0)
+    model = bert().train()
+    hf_checkpointing_enable(model, use_reentrant=False)
+    ids = torch.randint(0, 128, (2, 16))
+    b = ckpt_fx.backend(policy="blocks", compiler="eager")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(model, backend=b)(input_ids=ids, labels=ids).loss.backward()
+    said = [str(w.message) for w in record if "keeps their dropout masks" in str(w.message)]
+    assert len(said) == 1 and "3 units itself" in said[0] and "dropout 0" in said[0]
+    assert sum(s.nbytes for plan in b.plans for s in plan.saved if s.kind == "dropout mask") > 0
 
 
 def test_hf_trainer_trains_a_model_compiled_in_place_and_saves_a_normal_checkpoint(tmp_path):
