@@ -41,3 +41,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def fresh_inductor_cache(tmp_path, monkeypatch):
+    """Inductor's caches in a folder of the test's own: every compile in it is cold."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    yield tmp_path / "inductor"

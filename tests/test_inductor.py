@@ -15,12 +15,6 @@ pytestmark = [pytest.mark.skipif(not has_inductor_partitioner_hook(), reason="no
               pytest.mark.slow]
 
 
-@pytest.fixture
-def fresh_inductor_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    yield tmp_path / "inductor"
-
-
 def _model(dropout: float = 0.0):
     torch.manual_seed(0)
     return build("gpt", layers=2, dim=64, heads=2, dropout=dropout)

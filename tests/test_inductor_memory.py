@@ -12,25 +12,10 @@ import ckpt_fx
 from ckpt_fx.bench.models import build
 from passes._compat import activation_memory_budget, has_inductor_partitioner_hook
 from passes.plan import PeakModel
+from tests.test_inductor import _model, _step
 
 pytestmark = [pytest.mark.skipif(not has_inductor_partitioner_hook(), reason="no custom_partitioner_fn in this torch"),
               pytest.mark.slow]
-
-
-@pytest.fixture
-def fresh_inductor_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    yield tmp_path / "inductor"
-
-
-def _model(dropout: float = 0.0):
-    torch.manual_seed(0)
-    return build("gpt", layers=2, dim=64, heads=2, dropout=dropout)
-
-
-def _step(fn, ids):
-    torch.manual_seed(7)
-    fn(ids, ids).backward()
 
 
 def _hf_llama_sdpa():
