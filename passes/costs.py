@@ -23,10 +23,7 @@ def tensor_bytes(value: object, sizes: dict[str, int] | None = None) -> int:
     values `sizes` gives their symbols."""
     if not isinstance(value, torch.Tensor):
         return 0
-    numel = 1
-    for dim in value.shape:
-        numel *= size_at(dim, sizes) if sizes else size_hint(dim)
-    return numel * value.dtype.itemsize
+    return _numel(value, sizes) * value.dtype.itemsize
 
 
 def is_view(node: torch.fx.Node) -> bool:
@@ -97,10 +94,11 @@ def _own_formula(packet: str, args: tuple, out: object) -> int:
     return 0
 
 
-def _numel(value: torch.Tensor) -> int:
+def _numel(value: torch.Tensor, sizes: dict[str, int] | None = None) -> int:
+    """Elements of a tensor value, symbolic sizes at their hints or at the values `sizes` gives."""
     numel = 1
-    for x in value.shape:
-        numel *= size_hint(x)
+    for dim in value.shape:
+        numel *= size_at(dim, sizes) if sizes else size_hint(dim)
     return numel
 
 
