@@ -47,10 +47,11 @@ from passes.warn import BudgetWarning, warn_user
 # step peak and picks the cheapest whose peak fits the limit. Under the default partition every
 # candidate's peak comes from the joint graph (JointLiveness), most saved first until one fits.
 # Under min-cut a peak needs the candidate partitioned and Inductor's schedule of it (seconds for
-# a large graph), so the cheapest fitting one is found by bisection over the candidates, whose
-# peaks fall as they save less (a bisection over peaks that do not fall may pick a costlier plan
-# that fits, never one that does not); torch's own plan at the same budget takes part (Note
-# [Torch's knob as a candidate]). The candidates do not depend on the limit, so a lower limit picks
+# a large graph), so the cheapest fitting one is found by a search over the candidates that plans
+# few (interpolating on saved bytes, bisecting where that does not pay), their peaks falling as
+# they save less (a search over peaks that do not fall may pick a costlier plan that fits, never
+# one that does not); torch's own plan at the same budget takes part (Note [Torch's knob as a
+# candidate]), and when it fits, the candidates that cannot cost less than it are not planned. The candidates do not depend on the limit, so a lower limit picks
 # either the same plan (it still fits and is still the cheapest) or one whose peak is below the
 # new limit, hence below the old pick's: the predicted peak never rises as the limit falls. (With
 # torch's plan taking part that holds for ours: torch's knob is not monotone, and where its plan at
@@ -59,7 +60,7 @@ from passes.warn import BudgetWarning, warn_user
 
 # Saved-bytes fractions of the no-recompute plan at which a budget offers solver plans; fixed, so
 # that every budget chooses from the same candidates (Note [Peak-aware budget]). Under min-cut the
-# candidates are searched by bisection, a few planned however many there are, so the grid is finer.
+# candidates are searched (_search), a few planned however many there are, so the grid is finer.
 BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
 PLANNED_GRID = tuple(round(0.85**k, 4) for k in range(29))  # 1.0 down to 0.009
 
@@ -200,7 +201,7 @@ class Candidate:
 class Candidates:
     """The plans a budget offers, most saved first (so least recompute first): the solver's plan at
     each of the grid's saved-bytes fractions of the no-recompute plan, then the plan that saves
-    least; each solved when first asked for (`candidates[i]`), so a bisection over them solves few.
+    least; each solved when first asked for (`candidates[i]`), so a search over them solves few.
     Iterating gives the distinct ones in order. `costs` is "roofline" (Note [Roofline cost]) or
     "measured" (measured_costs); `fused`: planned for the min-cut partition under Inductor (fused
     pointwise costs, decisions(fused=True))."""
@@ -265,7 +266,7 @@ class Candidates:
     @classmethod
     def of(cls, spec: BudgetSpec, joint: Joint, hard_rules: dict[str, Reason], *, fused: bool) -> Candidates:
         """The candidates a budget offers for a joint graph: on the finer grid under min-cut, whose
-        candidates are searched by bisection (Note [Peak-aware budget]); with offload, priced at
+        candidates are searched by _search (Note [Peak-aware budget]); with offload, priced at
         the spec's bandwidth or torch's."""
         bandwidth = (spec.bandwidth or offload_bandwidth()) if spec.offload else None
         return cls(joint.gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=spec.solver,
@@ -385,9 +386,9 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
     """Under min-cut, which adds recomputes of its own, a candidate's peak is known only once it is
     partitioned (the memory pass reads it from Inductor's schedule), so few are: Inductor's own
     partition (the baseline the limit counts from), torch's plan at the same budget (Note [Torch's
-    knob as a candidate]), then the cheapest of ours that fits, found by bisection (the candidates
-    save less and less: their peaks fall along them). The cheaper of ours and torch's is chosen,
-    torch's only when it fits the limit."""
+    knob as a candidate]), then the cheapest of ours that fits (_search; the candidates save less
+    and less: their peaks fall along them), among those that could cost less than torch's plan
+    when that fits. The cheaper of ours and torch's is chosen, torch's only when it fits the limit."""
     steps, gm = joint.steps, joint.gm
 
     def cost(planned: Planned) -> float:
@@ -426,16 +427,9 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
         return verdicts[id(planned_i)]
 
     if found is None:
-        lowest = _lowest_from_the_end(len(offered), plan)
-        if fits(lowest):
-            low, high = -1, lowest  # offered[high] fits; offered[low] does not (or is none)
-            while high - low > 1:
-                middle = (low + high) // 2
-                if fits(middle):
-                    high = middle
-                else:
-                    low = middle
-            found = plan(high)
+        limit = chooser.limit if chooser.ceiling is None else min(chooser.limit, chooser.ceiling)
+        found = _search(offered, plan, fits, base=base, limit=limit,
+                        affordable=_affordable(offered, gm, cost(knob)) if knob is not None else len(offered))
     solvers = {id(p): name for p, name in planned.values()}
     if knob is not None and (found is None or cost(knob) < cost(found)):
         found = knob
@@ -450,6 +444,72 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
     error = chooser.infeasible()
     choice = _choice_of(chooser, lowest_plan, cost(lowest_plan), knob=torch_plan, solvers=solvers, reached=error.reached)
     return lowest_plan, choice, error
+
+
+def _search(offered: Candidates, plan: Callable[[int], Planned], fits: Callable[[int], bool], *, base: Planned,
+            limit: int, affordable: int) -> Planned | None:
+    """The cheapest of the first `affordable` candidates that fits, or None. The last of them is
+    planned first: when it fits, the cheapest is found between it and the baseline by interpolation
+    (_cheapest_fitting); when it does not and all are affordable, from the lowest found from the end
+    (_lowest_from_the_end); when only some are, none of them fits (their peaks fall along them)."""
+    if affordable <= 0:
+        return None
+    end = affordable - 1
+    if not fits(end):
+        if affordable < len(offered):
+            return None
+        end = _lowest_from_the_end(len(offered), plan)
+        if not fits(end):
+            return None
+    saved = lambda i: offered.base if i < 0 else offered[i].solution.saved_bytes  # noqa: E731
+    peak = lambda i: (base if i < 0 else plan(i)).prediction.peak_bytes  # noqa: E731
+    return plan(_cheapest_fitting(-1, end, fits=fits, saved=saved, peak=peak, limit=limit))
+
+
+def _cheapest_fitting(low: int, high: int, *, fits: Callable[[int], bool], saved: Callable[[int], int],
+                      peak: Callable[[int], int], limit: int) -> int:
+    """The first candidate that fits between `low` (does not fit; -1: the baseline) and `high`
+    (fits). A candidate's peak falls about linearly with the bytes it saves, so each step plans the
+    one whose saved bytes the line through the two ends puts at the limit (the first saving no more
+    than that), and halves the interval instead when the last step did not (a curve far from a
+    line); a bisection's answer, in fewer plans."""
+    halve = False
+    while high - low > 1:
+        middle = (low + high) // 2
+        if not halve:
+            x_low, x_high, p_low, p_high = saved(low), saved(high), peak(low), peak(high)
+            if p_low > p_high and x_low > x_high:
+                target = x_high + (limit - p_high) * (x_low - x_high) / (p_low - p_high)
+                lo, hi = low + 1, high - 1  # the first candidate in (low, high) saving no more than target
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if saved(mid) <= target:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                middle = lo
+        width = high - low
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+        halve = not halve and 2 * (high - low) > width
+    return high
+
+
+def _affordable(offered: Candidates, gm: torch.fx.GraphModule, bound: float) -> int:
+    """How many candidates, from the first, could cost less than `bound` (torch's plan's cost):
+    a candidate's partition recomputes at least what it decides, so what it decides prices it from
+    below, and that price rises along the candidates. Found by bisection (each position solved
+    when first asked for)."""
+    lo, hi = 0, len(offered)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if recompute_cost(gm, offered[mid].recomputed, fused=True) < bound:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _choice_of(chooser: Chooser, planned: Planned, cost: float, *, knob: Planned | None, solvers: dict[int, str],
