@@ -73,6 +73,16 @@ def test_each_peer_is_marked_with_the_ckpt_row_that_dominates_it():
     assert "- inductor-budget:0.5: no ckpt setup has both peak and step time <= it" in text
 
 
+def test_a_peer_within_two_percent_of_a_leaner_ckpt_row_is_a_tie_not_a_loss():
+    rows = [_row("inductor-budget:0.7", 117.5, 0.798), _row("ckpt:budget:0.7", 116.7, 0.801),
+            _row("inductor-budget:0.5", 100, 1.0), _row("ckpt:budget:0.5", 100, 1.03), _row("ckpt:budget:0.3", 101, 0.9)]
+    assert bench.dominators(rows) == {"inductor-budget:0.7": None, "inductor-budget:0.5": None}
+    assert bench.ties(rows) == {"inductor-budget:0.7": "ckpt:budget:0.7"}  # 3% slower is no tie; 101 MB is not at or below
+    text = bench.dominance_markdown(rows)
+    assert "- inductor-budget:0.7: tied with ckpt:budget:0.7 (116.7 vs 117.5 MB, +0.4% step time: within 2%)" in text
+    assert "- inductor-budget:0.5: no ckpt setup has both peak and step time <= it" in text
+
+
 def test_sweep_runs_both_budget_lines_beside_the_peers():
     swept = setups.sweep_setups((0.7, 0.3))
     assert swept[:7] == ("eager", "checkpoint", "ckpt:blocks:every=1,skip_first=0", "inductor", "ckpt:none",

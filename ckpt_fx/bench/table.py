@@ -265,11 +265,40 @@ def dominators(rows: list[Row]) -> dict[str, str | None]:
     return out
 
 
+TIE = 0.02
+"""A ckpt setup at a peak at or below a peer's whose step time is within this fraction above the
+peer's ties with it: setups with the same plan differ by 2-3% in one run."""
+
+
+def ties(rows: list[Row]) -> dict[str, str]:
+    """For every peer no ckpt row dominates, the ckpt row of least peak among those at or below
+    its peak and within TIE of its step time, where there is one."""
+    ours = [r for r in rows if r.error is None and r.ours]
+    by_setup = {r.setup: r for r in rows}
+    out: dict[str, str] = {}
+    for peer, by in dominators(rows).items():
+        r = by_setup[peer]
+        near = [o for o in ours if o.peak_mb <= r.peak_mb and o.step_s <= (1 + TIE) * r.step_s]
+        if by is None and near:
+            out[peer] = min(near, key=lambda o: (o.peak_mb, o.step_s)).setup
+    return out
+
+
 def dominance_markdown(rows: list[Row]) -> str:
-    """One line per peer: the ckpt setup that dominates it, or that none does."""
+    """One line per peer: the ckpt setup that dominates it, one that ties with it (TIE), or that
+    none does."""
+    by_setup = {r.setup: r for r in rows}
+    tied = ties(rows)
     out = []
     for peer, by in dominators(rows).items():
-        out.append(f"- {peer}: dominated by {by}" if by else f"- {peer}: no ckpt setup has both peak and step time <= it")
+        if by:
+            out.append(f"- {peer}: dominated by {by}")
+        elif peer in tied:
+            r, o = by_setup[peer], by_setup[tied[peer]]
+            out.append(f"- {peer}: tied with {o.setup} ({o.peak_mb:.1f} vs {r.peak_mb:.1f} MB, "
+                       f"{100 * (o.step_s / r.step_s - 1):+.1f}% step time: within {TIE:.0%})")
+        else:
+            out.append(f"- {peer}: no ckpt setup has both peak and step time <= it")
     return "\n".join(out)
 
 
