@@ -287,7 +287,8 @@ class CkptBackend:
                 f"ckpt_fx: the model checkpoints {len(plan.checkpointed_by_model)} units itself (torch.utils.checkpoint, "
                 f"e.g. Hugging Face's gradient checkpointing); {name} replaces that and keeps their dropout masks "
                 f"({format_size(masks)}, one byte per element), where torch.utils.checkpoint draws them again from a "
-                "saved generator state: random ops are never recomputed here. Both give the same gradients; "
+                "saved generator state: here only a CPU dropout whose mask outweighs that state (5 KB) is drawn again, "
+                "and Inductor's own random numbers are not. Both give the same gradients; "
                 "to keep no masks, train with dropout 0 (e.g. attention_dropout, hidden_dropout in the config)")
 
     def _warn_if_unmatched(self, plan: Plan, name: str) -> None:

@@ -1,8 +1,9 @@
 """dropout: let a dropout's output be recomputed from its saved mask instead of being saved.
 
 Note [Dropout under checkpointing]
-Random ops are never recomputed (their masks must equal the forward's), so select_pass saves
-every element of native_dropout's result. Its mask is one byte an element; its output is a full
+A random op is not recomputed unless it can be drawn again from a saved generator state (Note
+[Dropout replayed] in passes/select.py), so select_pass saves every element of a native_dropout
+whose mask is small or off the CPU. Its mask is one byte an element; its output is a full
 activation (an attention-probability tensor per block). The output is x * mask * scale, a
 deterministic function of the input and the mask; rewriting its users to read that product lets a
 checkpointed block save the mask alone and rebuild the output in the backward. The product must

@@ -17,12 +17,14 @@ from passes._compat import (
     op_schema,
     size_hint,
 )
-from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view
+from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
 from passes.offload import OFFLOAD_KEY, offloadable
 from passes.policy import NodeInfo, Policy
 from passes.regions import PATH_KEY, REGION_KEY, Region, RegionKind, forward_nodes
 
 REASON_KEY = "ckpt_fx.reason"
+CPU_RNG_STATE_BYTES = 5056
+"""torch.get_rng_state()'s bytes: what a replayed CPU dropout saves instead of its mask."""
 
 SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
@@ -35,7 +37,8 @@ class HardRule(str, enum.Enum):
     """Why a node must never be recomputed; no policy overrides these."""
 
     RANDOM = "random"
-    """It draws random numbers (a dropout mask): a second draw would differ."""
+    """It draws random numbers (a dropout mask): a second draw would differ. A CPU dropout whose
+    mask outweighs the generator's state is drawn again from that state instead (replayable)."""
     COLLECTIVE = "collective"
     """It communicates with other ranks."""
     MUTATION = "mutation"
@@ -74,7 +77,7 @@ def hard_rule(node: torch.fx.Node) -> HardRule | None:
     if node.op != "call_function":
         return None
     if isinstance(target, OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags and not _dropout_off(node, target):
+        if torch.Tag.nondeterministic_seeded in target.tags and not _dropout_off(node, target) and not replayable(node):
             return HardRule.RANDOM
         if target.namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
             return HardRule.COLLECTIVE
@@ -92,6 +95,37 @@ def hard_rule(node: torch.fx.Node) -> HardRule | None:
             if user.target is torch.ops.aten.copy_.default and user.args[1] is out:
                 return HardRule.MUTATION_SOURCE
     return None
+
+
+# Note [Dropout replayed]
+# torch.utils.checkpoint keeps no dropout mask: it saves the generator's state at a block's entry
+# and draws the same numbers again when it recomputes the block. torch's partitioners do the same
+# for a random op a plan recomputes (functionalize_rng_ops): the forward runs it under
+# run_and_save_rng_state, the backward under run_with_rng_state with the saved state, so the
+# mask drawn again is the forward's, bit for bit (Inductor runs both wrappers as eager kernels).
+# A CPU generator's state is 5056 bytes, a mask one byte an element: a dropout whose mask is the
+# larger is replayable, so a policy may recompute it and the plan keeps the state (a
+# "random-number state" among Plan.saved) instead of the mask; a smaller one stays a hard rule
+# (saving its mask keeps less). Not on CUDA yet, where the state is a seed and an offset and
+# torch threads it through graph-safe generators: not tested here without a GPU, so CUDA dropouts
+# keep their masks. Inductor's own random numbers (fallback_random off) are drawn by its seed ops,
+# which stay hard-ruled; their masks are saved as before.
+
+
+def replayable(node: torch.fx.Node) -> bool:
+    """A dropout (native_dropout) on a CPU whose mask takes more bytes than the generator's state:
+    recomputed, it draws again from the state saved when it first ran, so its mask equals the
+    forward's and the state is saved instead of the mask (Note [Dropout replayed])."""
+    if node.target is not torch.ops.aten.native_dropout.default:
+        return False
+    p = node.args[1] if len(node.args) > 1 else None
+    if not isinstance(p, float) or not 0.0 < p < 1.0:
+        return False  # no draw to replay (a dropout of 0 is left as it was)
+    value = node.meta.get("val")
+    mask = value[1] if isinstance(value, (tuple, list)) and len(value) == 2 else None
+    if not isinstance(mask, torch.Tensor) or mask.device.type != "cpu":
+        return False
+    return tensor_bytes(mask) > CPU_RNG_STATE_BYTES
 
 
 def _dropout_off(node: torch.fx.Node, target: OpOverload) -> bool:
@@ -188,7 +222,25 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason
         node.meta[RECOMPUTE_KEY] = decision
         node.meta[REASON_KEY] = BY_POLICY
     _recompute_tuples_of_recomputed_elements(fwd_list)
+    _replayed_or_saved(fwd_list)
     return forced
+
+
+def _replayed_or_saved(nodes: list[torch.fx.Node]) -> None:
+    """A replayable dropout is recomputed or saved as the policy says, never left to the
+    partitioner (PREFER_): torch draws it again from a saved state only when it is tagged
+    recomputed, so one that min-cut chose to recompute on its own would draw new numbers. Saved,
+    its elements are saved with it, as under the hard rule."""
+    for node in nodes:
+        if node.op != "call_function" or node.meta.get(REASON_KEY) != BY_POLICY or not replayable(node):
+            continue
+        if node.meta.get(RECOMPUTE_KEY) in RECOMPUTE:
+            node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_RECOMPUTE
+            continue
+        node.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
+        for user in node.users:
+            if user.target is operator.getitem:
+                user.meta[RECOMPUTE_KEY] = CheckpointPolicy.MUST_SAVE
 
 
 def _recompute_tuples_of_recomputed_elements(nodes: list[torch.fx.Node]) -> None:

@@ -39,14 +39,33 @@ def test_inductor_gradients_equal_eager_with_dropout(fresh_inductor_cache):
     assert backend.plans and backend.plans[0].recomputed
 
 
-def test_a_low_budget_draws_each_dropout_mask_once(fresh_inductor_cache):
+def test_inductor_replays_a_large_dropout_from_its_saved_state(fresh_inductor_cache):
+    """Note [Dropout replayed] under Inductor (with fallback_random, so eager's dropout runs): masks
+    of 16 KB are drawn again in the backward, gradients equal eager's."""
+    model = _model(dropout=0.1)
+    ids = torch.randint(0, 1000, (4, 64))
+    _step(model, ids)
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    backend = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", compiler="inductor", strict=True)
+    with torch._inductor.config.patch(fallback_random=True):
+        _step(torch.compile(model, backend=backend), ids)
+    for got, want in zip([p.grad for p in model.parameters()], eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    masks = [s.name for s in backend.plans[0].saved if s.kind == "dropout mask" and s.block is not None]
+    assert not masks and any(s.kind == "random-number state" for s in backend.plans[0].saved), masks  # the embedding's dropout is no block's
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 32), (4, 64)])  # masks of 4 KB (saved) and 16 KB (replayable)
+def test_a_low_budget_draws_each_dropout_mask_once(fresh_inductor_cache, batch, seq):
     """Under Inductor the budget plans with torch's min-cut partitioner, whose own knob at a low
     budget recomputes dropout with new random numbers (pytorch/pytorch#190758); ours saves every
-    mask: the bench's gradient column, under fallback_random, shows eager's gradients."""
+    mask or draws it again from its saved state (Note [Dropout replayed]), never leaving a dropout
+    to min-cut: the bench's gradient column, under fallback_random, shows eager's gradients."""
     from ckpt_fx.bench import table as bench
     from ckpt_fx.bench import workloads
 
-    workload = workloads.builtin_workload("gpt", layers=2, dim=64, heads=2, batch=2, seq=32, dropout=0.1)
+    workload = workloads.builtin_workload("gpt", layers=2, dim=64, heads=2, batch=batch, seq=seq, dropout=0.1)
     eager, ours = bench.run(workload, ("eager", "ckpt-inductor:budget:0.1"), steps=1, fallback_random=True)
     assert ours.error is None and ours.grad_note is None and ours.peak_ratio < 0.9, ours
     assert ours.grad_rel_diff < 1e-5, ours

@@ -244,6 +244,45 @@ def test_dropout_masks_equal_eager(device, p):
     assert not torch.equal(other_seed.out, eager.out)  # the masks really are random
 
 
+def test_a_dropout_whose_mask_outweighs_the_generator_state_is_drawn_again_not_saved(monkeypatch):
+    """Note [Dropout replayed]: masks of 16 KB (batch 4 x 64, width 64) are drawn again in the
+    backward from a saved CPU generator state: gradients bitwise those of aot_eager, no mask among
+    the blocks' saved tensors, and a lower measured peak than saving the masks."""
+    import passes.select as select
+    from ckpt_fx.bench.models import build
+
+    torch.manual_seed(0)
+    model = build("gpt", layers=3, dim=64, heads=2, dropout=0.1)
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1))
+
+    def step(fn):
+        torch.manual_seed(7)
+        fn(ids, ids).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        peak = ckpt_fx.peak_bytes(lambda: fn(ids, ids).backward())
+        model.zero_grad(set_to_none=True)
+        return grads, peak
+
+    def planned(fn, backend):
+        torch._dynamo.reset()
+        grads, peak = step(torch.compile(model, backend=backend))
+        return grads, peak, backend.plans[0]
+
+    ref, _ = step(torch.compile(model, backend="aot_eager"))
+    policy = "blocks:every=1,skip_first=0"
+    grads, replayed_peak, replayed = planned(model, ckpt_fx.backend(policy=policy, compiler="eager", strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref, strict=True))
+    masks = [s.name for s in replayed.saved if s.kind == "dropout mask" and s.block is not None]
+    assert not masks and any(s.kind == "random-number state" for s in replayed.saved), masks  # the embedding's dropout is no block's
+    monkeypatch.setattr(select, "CPU_RNG_STATE_BYTES", 1 << 40)  # nothing replayable: every mask saved
+    grads, saved_peak, masked = planned(model, ckpt_fx.backend(policy=policy, compiler="eager", strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref, strict=True))
+    assert "dropout mask" in [s.kind for s in masked.saved]
+    assert replayed.saved_bytes < masked.saved_bytes and replayed_peak < saved_peak, (replayed_peak, saved_peak)
+
+
 def test_parity_on_device(device):
     """The property test's core check on each available device."""
     spec = Spec(depth=3, width=16, dropout=0.1, attention="sdpa" if device == "cuda" else "manual")
