@@ -25,9 +25,12 @@ def _step(fn, ids):
     fn(ids, ids).backward()
 
 
-def test_inductor_gradients_equal_eager_with_dropout(fresh_inductor_cache):
+@pytest.mark.parametrize("batch, seq, replayed", [(2, 32, False), (4, 64, True)])
+def test_inductor_gradients_equal_eager_with_dropout(fresh_inductor_cache, batch, seq, replayed):
+    """With fallback_random (eager's dropout runs), gradients equal eager's; masks of 4 KB are
+    saved, masks of 16 KB drawn again in the backward from a saved state (Note [Dropout replayed])."""
     model = _model(dropout=0.1)
-    ids = torch.randint(0, 1000, (2, 32))
+    ids = torch.randint(0, 1000, (batch, seq))
     _step(model, ids)
     eager = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
@@ -36,24 +39,11 @@ def test_inductor_gradients_equal_eager_with_dropout(fresh_inductor_cache):
         _step(torch.compile(model, backend=backend), ids)
     for got, want in zip([p.grad for p in model.parameters()], eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert backend.plans and backend.plans[0].recomputed
-
-
-def test_inductor_replays_a_large_dropout_from_its_saved_state(fresh_inductor_cache):
-    """Note [Dropout replayed] under Inductor (with fallback_random, so eager's dropout runs): masks
-    of 16 KB are drawn again in the backward, gradients equal eager's."""
-    model = _model(dropout=0.1)
-    ids = torch.randint(0, 1000, (4, 64))
-    _step(model, ids)
-    eager = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    backend = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", compiler="inductor", strict=True)
-    with torch._inductor.config.patch(fallback_random=True):
-        _step(torch.compile(model, backend=backend), ids)
-    for got, want in zip([p.grad for p in model.parameters()], eager, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    masks = [s.name for s in backend.plans[0].saved if s.kind == "dropout mask" and s.block is not None]
-    assert not masks and any(s.kind == "random-number state" for s in backend.plans[0].saved), masks  # the embedding's dropout is no block's
+    plan = backend.plans[0]
+    assert plan.recomputed
+    masks = [s.name for s in plan.saved if s.kind == "dropout mask" and s.block is not None]  # the embedding's is no block's
+    states = [s.name for s in plan.saved if s.kind == "random-number state"]
+    assert (not masks and states) if replayed else (masks and not states), (masks, states)
 
 
 @pytest.mark.parametrize("batch, seq", [(2, 32), (4, 64)])  # masks of 4 KB (saved) and 16 KB (replayable)
