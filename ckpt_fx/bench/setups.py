@@ -149,7 +149,9 @@ class Setup:
         if self.kind == Kind.KNOB:  # torch's own knob: the min-cut partitioner under an activation memory budget
             return (torch.compile(model, backend=own_backend(self.compiler)), None,
                     functools.partial(activation_memory_budget, self.budget))
-        b = ckpt_backend(policy=self.policy, compiler=self.compiler)
+        # Counting runs: the bench predicts the step it measures from the graphs that ran in it
+        # (a recompile leaves the first graph's plan in b.plans too).
+        b = CkptBackend(ckpt_backend(policy=self.policy, compiler=self.compiler).options, count_runs=True)
         return torch.compile(model, backend=b), b, none
 
 

@@ -188,7 +188,10 @@ def _compile_and_measure_peak(workload: Workload, setup: Setup, *, amp: bool) ->
     sync()
     compile_s = time.perf_counter() - start
     clear()
+    if b is not None:
+        b.runs.clear()  # from here on: the graphs the measured step runs
     peak = peak_bytes(step, device=device)
+    ran = b.plans_as_run() if b is not None else []
     grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
     clear()
 
@@ -198,8 +201,8 @@ def _compile_and_measure_peak(workload: Workload, setup: Setup, *, amp: bool) ->
         step()
         sync()
 
-    predicted = step_peak_bytes(b.plans) / 2**20 if b is not None and b.plans else None
-    flops = sum(p.recompute_flops for p in b.plans) / 1e9 if b is not None and b.plans else None
+    predicted = step_peak_bytes(ran) / 2**20 if ran else None
+    flops = sum(p.recompute_flops for p in ran) / 1e9 if ran else None
     return Held(setup=setup, step=timed_step, peak=peak, grads=grads, predicted_mb=predicted, compile_s=compile_s,
                 recompute_gflop=flops)
 
