@@ -23,8 +23,8 @@ from passes.policy import NodeInfo, Policy
 from passes.regions import PATH_KEY, REGION_KEY, Region, RegionKind, forward_nodes
 
 REASON_KEY = "ckpt_fx.reason"
-CPU_RNG_STATE_BYTES = 5056
-"""torch.get_rng_state()'s bytes: what a replayed CPU dropout saves instead of its mask."""
+CPU_RNG_STATE_BYTES = torch.get_rng_state().numel()  # a uint8 tensor: 5056 bytes
+"""The CPU generator's state in bytes: what a replayed CPU dropout saves instead of its mask."""
 
 SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
