@@ -23,6 +23,9 @@ logging.getLogger("ckpt_fx").setLevel(logging.DEBUG)
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and not sys.argv[1].isdigit():
+        sys.exit(f"compile_time.py: LAYERS must be a whole number of blocks, got {sys.argv[1]!r}; "
+                 "usage: python tests/compile_time.py LAYERS [SETUPS], e.g. 6 inductor,budget:0.5,blocks")
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     setups = (sys.argv[2] if len(sys.argv) > 2 else "inductor,budget:0.5,blocks").split(",")
     torch.manual_seed(0)
