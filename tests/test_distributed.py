@@ -82,6 +82,7 @@ def test_ddp_two_processes_exact_gradients_same_plans_lower_peak(tmp_path):
     assert results[0]["ckpt_plans"][0][0], "nothing was recomputed"
 
 
+@pytest.mark.slow  # two torchrun processes each; the tests above train DDP and FSDP2 in the default run
 @pytest.mark.parametrize("example", ["ddp.py", "fsdp2.py"])
 def test_example_under_torchrun_plans_every_graph_piece(example):
     """examples/ddp.py and examples/fsdp2.py with torchrun, 2 processes: they train, and every graph

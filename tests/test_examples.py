@@ -17,9 +17,14 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 CHECKED = {"cnn.py", "trainer.py", "trl_sft.py", "lightning_module.py"}
+# The longest of the rest run with the slow checks (CI runs both): the README's command stays
+# under 10 minutes.
+# ddp.py and fsdp2.py run under torchrun there too (tests/test_distributed.py).
+SLOW = {"finetune_causal_lm.py", "rnn.py", "custom_policy.py", "ddp.py", "fsdp2.py"}
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name not in CHECKED], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p
+                                  for p in EXAMPLES if p.name not in CHECKED], ids=lambda p: p.name)
 def test_example_runs(path):
     """Every example but those whose own tests below run and read them."""
     done = run(str(path))

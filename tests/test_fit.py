@@ -34,6 +34,7 @@ def test_predicted_peak_is_within_ten_percent_of_the_measured_step(precision):
         assert abs(row.peak_bytes - measured) <= 0.10 * measured, (policy, row.peak_bytes, measured)
 
 
+@pytest.mark.slow  # LoRA's prediction: the half-precision test below, in the default run
 def test_lora_trains_only_the_adapters_and_the_prediction_holds():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("peft")
@@ -53,7 +54,7 @@ def test_lora_trains_only_the_adapters_and_the_prediction_holds():
         assert abs(row.peak_bytes - measured) <= 0.10 * measured, (policy, row.peak_bytes, measured)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
 def test_a_half_precision_base_under_lora_is_predicted_within_ten_percent(dtype):
     """--dtype bf16 (the recipe people fine-tune with): the frozen base cast to bf16, the LoRA
     adapters kept in fp32 as peft keeps them; the prediction against a real step of the model so
@@ -196,6 +197,7 @@ def test_memory_units():
     assert parse_memory("512 MiB") == 512 * 2**20 and parse_memory(1000) == 1000
 
 
+@pytest.mark.slow
 def test_cli_writes_one_json_row_per_memory_and_policy(tmp_path):
     out = tmp_path / "fit.json"
     done = subprocess.run(

@@ -75,6 +75,7 @@ def test_offload_keeps_values_off_the_device_and_the_prediction_counts_only_what
     assert sum(b.offloaded_bytes for b in moved.blocks) == moved.offloaded_bytes
 
 
+@pytest.mark.slow
 def test_offload_under_dynamic_shapes_moves_tensors_and_keeps_sizes():
     """A transformers Llama traced with a dynamic batch: a block's boundary values include sizes
     (SymInts) the policy asks to offload; they stay, the tensors move, gradients equal eager's."""
@@ -97,6 +98,7 @@ def test_offload_under_dynamic_shapes_moves_tensors_and_keeps_sizes():
         torch.testing.assert_close(mine.grad, theirs.grad)
 
 
+@pytest.mark.slow
 def test_a_budget_with_offload_falls_with_the_limit_and_plans_alike_every_time():
     """budget(x, offload=True): the predicted device peak never rises as the limit falls; with
     fast copies a low limit offloads; two compiles of the same graph give the same plan."""
@@ -156,7 +158,7 @@ def test_a_bad_bandwidth_is_refused_naming_what_is_allowed(bandwidth, fragment):
         ckpt_fx.policies.budget(0.5, bandwidth=25)
 
 
-def test_offload_plans_under_inductor_train_like_eager():
+def test_offload_plans_under_inductor_train_like_eager(fresh_inductor_cache):
     """Under Inductor (min-cut partition) the offload pass runs on the graphs Inductor compiles:
     gradients allclose to eager's, the boundaries offloaded, the peak predicted by the walk."""
     from passes.plan import PeakModel

@@ -326,6 +326,7 @@ def offload_coin_policy(info: ckpt_fx.NodeInfo) -> CheckpointPolicy:
 OFFLOADING = ["offload", "offload:every=1,skip_first=0", "budget:0.05,offload,bandwidth=1000", offload_coin_policy]
 
 
+@pytest.mark.slow
 @settings(max_examples=max(8, settings.default.max_examples // 3))  # each example compiles three times
 @given(spec=specs, policy=st.sampled_from(OFFLOADING), batch=st.integers(1, 3), seq=st.integers(2, 6))
 def test_offload_plans_train_as_the_same_plan_without_offload(spec, policy, batch, seq):

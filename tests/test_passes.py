@@ -149,7 +149,7 @@ def test_memory_falls_as_policies_checkpoint_more(device):
     assert peaks["blocks"] == peaks["blocks:every=1,skip_first=0"] < 0.5 * peaks["none"], peaks
 
 
-@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+@pytest.mark.parametrize("model_name", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
 def test_joint_liveness_predicts_the_partitioned_peak(model_name):
     """The budget policy compares candidates by a walk over the joint graph (Note [Peak from the
     joint graph]); it must predict what the memory pass predicts on the partitioned graphs, for
