@@ -25,10 +25,14 @@ log = logging.getLogger("ckpt_fx")
 # rules: a kernel writing in place into a buffer it last reads; a freed buffer handed to a later
 # one of the same size while Inductor's own estimate of the peak allows it (so a freed buffer can
 # stay allocated long after its last read); on a CPU, a run of generated kernels allocating
-# together and freeing after the run. The memory pass's accounting goes on top (inputs count
-# zero, saved values and incoming gradients live from the backward's start until Inductor is done
-# with their storage, outputs held). It costs Inductor's lowering and scheduling once more per
-# plan, so the budget asks it for few candidates (Note [Peak-aware budget] in passes/budget.py).
+# together and freeing after the run; a buffer written and last read inside one fused kernel
+# dropped (Kernel.remove_kernel_local_buffers); each element of the tuple an extern kernel returns
+# (a custom op, SDPA) a storage allocated by that kernel and alive until its own last read, not
+# the tuple's unpacking (an MoE's experts as transformers' custom op were under-predicted by 21%).
+# The memory pass's accounting goes on top (inputs count zero, saved values and incoming
+# gradients live from the backward's start until Inductor is done with their storage, outputs
+# held). It costs Inductor's lowering and scheduling once more per plan, so the budget asks it
+# for few candidates (Note [Peak-aware budget] in passes/budget.py).
 # Where Inductor cannot be asked (another torch, an op it cannot lower here) the walk's fused
 # guess stands, and Plan.peak_model says so.
 
@@ -54,6 +58,7 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
     from torch._inductor.codegen.wrapper import buffer_reuse_key, can_match_buffer_size
     from torch._inductor.debug import DebugContext
     from torch._inductor.graph import GraphLowering
+    from torch._inductor.ir import MultiOutput, MultiOutputLayout
     from torch._inductor.scheduler import BaseSchedulerNode, Scheduler, SchedulerNode
     from torch._inductor.utils import get_dtype_size
     from torch._inductor.virtualized import V
@@ -95,6 +100,8 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
             owner: dict[str, int | str] = {}  # buffer -> its storage (an index, or a donated input's name)
             input_end: dict[str, int | None] = {}
             pool: dict[object, list[tuple[int, str]]] = {}  # freed buffers a later one of its size may take
+            packed: dict[str, int] = {}  # an extern kernel's tuple of outputs -> the step that made it
+            dropped: set[str] = set()  # buffers local to one fused kernel
 
             def end(name: str, step: int | None) -> None:
                 """`name`'s storage lives through `step` at least (None: to the graph's end)."""
@@ -138,11 +145,26 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
                     release(step - 1)
                 if on_cpu and not extern and group is None:
                     group = step
+                members = OrderedSet(sub.get_name() for sub in node.get_nodes())
+                generated = not extern and all(isinstance(sub, SchedulerNode) for sub in node.get_nodes())
                 for buf in node.get_outputs():
                     name = buf.get_name()
-                    if name in in_place:
+                    if name in in_place and in_place[name] not in dropped:
                         owner[name] = owner.get(in_place[name], in_place[name])
                         taken.add(in_place[name])
+                        continue
+                    if generated and name not in graph_outputs and scheduler.can_buffer_be_removed_through_fusion(name, members):
+                        dropped.add(name)  # written and last read inside one fused kernel: the code generator drops it
+                        continue
+                    if isinstance(buf.node.layout, MultiOutputLayout):
+                        packed[name] = step  # an extern kernel's tuple: each element a storage of its own
+                        continue
+                    if isinstance(buf.node, MultiOutput) and buf.mpi_buffer.size_free:
+                        # An element of the tuple an extern kernel (a custom op, a fallback)
+                        # returned: allocated by that kernel, alive as long as it is read.
+                        owner[name] = len(storages)
+                        made = next((packed[i.get_name()] for i in buf.node.inputs if i.get_name() in packed), step)
+                        storages.append([made, step, int(buf.mpi_buffer.size_free)])
                         continue
                     if not buf.mpi_buffer.size_alloc:
                         continue  # an alias, a mutation, or fused away: no storage of its own

