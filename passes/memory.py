@@ -115,6 +115,7 @@ def memory_pass(
     sizes: dict[str, int] | None = None,
     fused: bool = False,
     offloaded: tuple[str, ...] = (),
+    by_block: bool = True,
 ) -> Prediction:
     """Walk the forward then the backward (Note [What the predicted peak counts]); return what
     they save, recompute and offload and the device peaks they reach.
@@ -192,7 +193,7 @@ def memory_pass(
     # At the sizes the graphs were traced with Inductor can be asked; not of host copies, which
     # its storages would count as the device's.
     if fused and not sizes and not offloaded:
-        scheduled = scheduled_peaks(fw, bw, entry=bw_entry, key_of=bw_key, pinned=pinned)
+        scheduled = scheduled_peaks(fw, bw, entry=bw_entry, key_of=bw_key, pinned=pinned, by_block=by_block)
         if scheduled is not None:
             fw_peak, bw_peak = scheduled
             peak_model = PeakModel.INDUCTOR

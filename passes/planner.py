@@ -78,7 +78,8 @@ def plan_policy(joint: Joint, policy: Policy, *, cse: bool | None = None) -> Pla
         "memory",
         lambda: memory_pass(fw, bw, num_fwd_outputs=joint.num_fwd_outputs, forward_names=forward_names,
                             block_paths=joint.block_paths, static_input_indices=joint.static_lifetime_input_indices,
-                            fused=joint.partitioner == "min_cut", offloaded=offloaded),
+                            fused=joint.partitioner == "min_cut", offloaded=offloaded,
+                            by_block=merged is not True or not recomputed),
     )
     return Planned(forward=fw, backward=bw, prediction=prediction, joint_cse=merged,
                    recomputed_embedding_ops=embedding_asked)
