@@ -385,7 +385,11 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
         key = config + key
         result = _SEGMENT_SCHEDULES.get(key)
         if result is None:
-            result = _schedule(sub, is_backward=is_backward, donated=gives)
+            # By position, not name: an alike segment elsewhere has inputs of other names.
+            steps, local, local_end, returned, kinds = _schedule(sub, is_backward=is_backward, donated=gives)
+            position = {n.name: i for i, n in enumerate(inputs)}
+            result = (steps, local, {position[k]: v for k, v in local_end.items() if k in position},
+                      [f"p{position[r]}" if isinstance(r, str) and r in position else r for r in returned], kinds)
             lowered += 1
             if len(_SEGMENT_SCHEDULES) >= _SEGMENT_CACHE_SIZE:
                 _SEGMENT_SCHEDULES.clear()
@@ -444,16 +448,15 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
                 index_of.append(len(storages))
                 storages.append([offset + first, end_step, nbytes])
                 kinds_of.append(kind)
-            for n in inputs:
-                if n.name in local_end:
-                    step = local_end[n.name]
+            for i, n in enumerate(inputs):
+                if i in local_end:
+                    step = local_end[i]
                     extend(n, last_step if step is None else offset + step)
-            names = {i.name: i for i in inputs}
             for n, place in zip(outs, returned):
-                if isinstance(place, int):
+                if isinstance(place, int):  # a storage of this segment's
                     where[n] = index_of[place]
-                elif isinstance(place, str) and place in names:
-                    where[n] = where.get(names[place], place)
+                elif isinstance(place, str):  # an input's, by its position
+                    where[n] = where.get(inputs[int(place[1:])], inputs[int(place[1:])].name)
                 if n in graph_outputs:
                     extend(n, None)
             offset += steps
