@@ -253,7 +253,9 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
     """(forward peak, backward peak) from Inductor's schedules of the two graphs (Note
     [Inductor's own schedule]), or None when Inductor could not be asked. `entry` is what is live
     as the backward starts (saved values, incoming gradients, held outputs), by storage key;
-    `key_of` maps the backward's placeholders to those keys; `pinned` keys are never freed."""
+    `key_of` maps the backward's placeholders to those keys; `pinned` keys are never freed.
+    The forward is scheduled block by block; the backward too when `by_block` (Note [A schedule
+    per block])."""
     # Saved values no output shares a storage with: AOTAutograd lets Inductor reuse them.
     out_keys = {key_of.get(a) for a in bw.graph.output_node().all_input_nodes}
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
@@ -270,18 +272,18 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
         readers = {own(u) for u in node.users} - {None}
         return None if len(readers) > 1 else own(node)
 
-    try:
-        if by_block:
+    def schedule(gm: torch.fx.GraphModule, segmented: bool, **kwargs) -> tuple:
+        if segmented:
             try:
-                forward = segmented_schedule(fw, is_backward=False, label=label)
-                backward = segmented_schedule(bw, is_backward=True, donated=donated, label=label)
-            except Exception as error:  # noqa: BLE001 - a cut Inductor cannot lower: the whole graphs
-                log.info("ckpt_fx: Inductor's schedule per block unavailable (%s: %s); scheduling whole graphs",
+                return segmented_schedule(gm, label=label, **kwargs)
+            except Exception as error:  # noqa: BLE001 - a cut Inductor cannot lower: the whole graph
+                log.info("ckpt_fx: Inductor's schedule per block unavailable (%s: %s); scheduling the whole graph",
                          type(error).__name__, error)
-                by_block = False
-        if not by_block:
-            forward = inductor_schedule(copy_graph_module(fw), is_backward=False)
-            backward = inductor_schedule(copy_graph_module(bw), is_backward=True, donated=donated)
+        return inductor_schedule(copy_graph_module(gm), **kwargs)
+
+    try:
+        forward = schedule(fw, True, is_backward=False)
+        backward = schedule(bw, by_block, is_backward=True, donated=donated)
     except Exception as error:  # noqa: BLE001 - any failure: the walk's own prediction stands
         log.info("ckpt_fx: Inductor's schedule unavailable (%s: %s); the memory pass predicts fusion itself",
                  type(error).__name__, error)
@@ -341,12 +343,15 @@ def schedule_peak(schedule: tuple[int, list[tuple[int, int | None, int]], dict[s
 # cannot see (fusion across a block boundary, the code generator's exact bound) moves the
 # prediction by up to 7% against the whole graph's on the test models, both ways
 # (tests/test_inductor_memory.py holds both to the measured peak). A graph that does not cut into
-# a few runs per block, or passes a tuple or a size across a cut, is scheduled whole; and so is a
-# plan that min-cut partitioned after its CSE and that recomputes (the planner says which): there
-# the CSE shares recomputes (the causal mask) between blocks, Inductor fuses across them and runs
-# one block's recompute during another's backward (GPT 3 x 128, every block: 9.8 MB whole, 8.0
-# laid end to end), which no cut between blocks can show.
+# a few runs per block, or passes a tuple or a size across a cut, is scheduled whole; and so is the
+# backward of a plan that min-cut partitioned after its CSE and that recomputes (the planner says
+# which): there the CSE shares recomputes (the causal mask) between blocks, Inductor fuses across
+# them and runs one block's recompute during another's backward (GPT 3 x 128, every block: 9.8 MB
+# whole, 8.0 laid end to end), which no cut between blocks can show. Its forward recomputes
+# nothing and is cut as any other. Blocks whose dropout reads another of the step's seeds (an
+# index into one tensor) are alike: the index is left out of the key.
 _SEGMENT_SCHEDULES: dict[str, tuple] = {}
+_LOOKUP_SEED = getattr(getattr(torch.ops.prims, "inductor_lookup_seed", None), "default", None)
 _SEGMENT_CACHE_SIZE = 512
 
 
@@ -541,7 +546,10 @@ def _segment_module(members: list[torch.fx.Node], inputs: list[torch.fx.Node], o
     for i, n in enumerate(members):
         env[n] = graph.node_copy(n, lambda a: env[a])
         number[n] = f"n{i}"
-        body.append((str(n.target), describe(n.args), describe(n.kwargs), describe(n.meta.get("val"))))
+        # Which of the step's seeds a block's dropout reads is a scalar index into one tensor: it
+        # changes no buffer, so blocks differing only there share a schedule.
+        args = n.args[:1] if n.target is _LOOKUP_SEED else n.args
+        body.append((str(n.target), describe(args), describe(n.kwargs), describe(n.meta.get("val"))))
     graph.output(tuple(env[n] for n in outs))
     key = repr((is_backward, donated, tuple(describe(n.meta.get("val")) for n in inputs), tuple(body),
                 tuple(number[n] for n in outs)))

@@ -123,6 +123,8 @@ def memory_pass(
     bytes; Note [Offload] in passes/offload.py).
 
     `fused`: the graphs run under Inductor (Note [Predicting a fused graph]).
+    `by_block`: under Inductor, whether the backward may be scheduled block by block (Note [A
+    schedule per block]); the forward always may.
     `block_paths` lists the units in forward order; the Plan reports each of them in that order.
     `static_input_indices` (parameters and buffers among the inputs) tells which gradients persist.
     Reads node.meta only; deterministic.

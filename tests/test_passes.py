@@ -352,3 +352,30 @@ def test_a_plan_at_other_sizes_keeps_what_planning_decided():
     longer = plan.at(**{symbol: 4 * hint})
     assert longer.peak_bytes > plan.peak_bytes
     assert (longer.joint_cse, longer.units, longer.policy, longer.recomputed) == (plan.joint_cse, plan.units, plan.policy, plan.recomputed)
+
+
+def test_alike_blocks_share_a_schedule_whatever_seed_their_dropout_reads():
+    """Note [A schedule per block]: two blocks whose dropout reads another of the step's seeds
+    (an index into one tensor) are lowered once; a block of another shape is not."""
+    import torch._inductor.lowering  # noqa: F401 - registers Inductor's random prims
+    from passes.inductor_memory import _segment_module
+
+    def block(index: int, rows: int):
+        nodes = {}
+
+        def build(graph, value):
+            seeds = graph.placeholder("seeds")
+            seeds.meta["val"] = torch.empty(2, dtype=torch.int64, device="meta")
+            x = value(graph.placeholder("x"), rows, 8)
+            seed = graph.call_function(torch.ops.prims.inductor_lookup_seed.default, (seeds, index))
+            seed.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
+            mask = value(graph.call_function(torch.ops.prims.inductor_random.default, ([rows, 8], seed, "rand")), rows, 8)
+            out = value(graph.call_function(torch.ops.aten.mul.Tensor, (x, mask)), rows, 8)
+            graph.output(out)
+            nodes.update(inputs=[seeds, x], members=[seed, mask, out], outs=[out])
+
+        _graph(build)
+        return _segment_module(nodes["members"], nodes["inputs"], nodes["outs"], is_backward=False, donated=())[1]
+
+    assert block(0, 4) == block(1, 4)
+    assert block(0, 4) != block(0, 6)
