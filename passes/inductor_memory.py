@@ -351,7 +351,6 @@ def schedule_peak(schedule: tuple[int, list[tuple[int, int | None, int]], dict[s
 # nothing and is cut as any other. Blocks whose dropout reads another of the step's seeds (an
 # index into one tensor) are alike: the index is left out of the key.
 _SEGMENT_SCHEDULES: dict[str, tuple] = {}
-_LOOKUP_SEED = getattr(getattr(torch.ops.prims, "inductor_lookup_seed", None), "default", None)
 _SEGMENT_CACHE_SIZE = 512
 
 
@@ -548,7 +547,7 @@ def _segment_module(members: list[torch.fx.Node], inputs: list[torch.fx.Node], o
         number[n] = f"n{i}"
         # Which of the step's seeds a block's dropout reads is a scalar index into one tensor: it
         # changes no buffer, so blocks differing only there share a schedule.
-        args = n.args[:1] if n.target is _LOOKUP_SEED else n.args
+        args = n.args[:1] if str(n.target) == "prims.inductor_lookup_seed.default" else n.args
         body.append((str(n.target), describe(args), describe(n.kwargs), describe(n.meta.get("val"))))
     graph.output(tuple(env[n] for n in outs))
     key = repr((is_backward, donated, tuple(describe(n.meta.get("val")) for n in inputs), tuple(body),
