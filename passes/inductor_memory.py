@@ -29,7 +29,10 @@ log = logging.getLogger("ckpt_fx")
 # together and freeing after the run; a buffer written and last read inside one fused kernel
 # dropped (Kernel.remove_kernel_local_buffers); each element of the tuple an extern kernel returns
 # (a custom op, SDPA) a storage allocated by that kernel and alive until its own last read, not
-# the tuple's unpacking (an MoE's experts as transformers' custom op were under-predicted by 21%).
+# the tuple's unpacking (an MoE's experts as transformers' custom op were under-predicted by 21%);
+# a buffer computed straight into a slice of a later one (a cat whose inputs other ops read too:
+# NonOwningLayout) no storage of its own, the later one allocated when the first slice is written
+# (counting the slices apart put an MoE's gate and up halves twice: +12%).
 # The memory pass's accounting goes on top (inputs count zero, saved values and incoming
 # gradients live from the backward's start until Inductor is done with their storage, outputs
 # held). It costs Inductor's lowering and scheduling once more per plan, of each distinct block
@@ -69,7 +72,7 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
     from torch._inductor.codegen.wrapper import buffer_reuse_key, can_match_buffer_size
     from torch._inductor.debug import DebugContext
     from torch._inductor.graph import GraphLowering
-    from torch._inductor.ir import MultiOutput, MultiOutputLayout
+    from torch._inductor.ir import MultiOutput, MultiOutputLayout, NonOwningLayout
     from torch._inductor.scheduler import BaseSchedulerNode, Scheduler, SchedulerNode
     from torch._inductor.utils import get_dtype_size
     from torch._inductor.virtualized import V
@@ -144,10 +147,29 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
                         continue  # a later buffer was written into its storage: not free
                     source = scheduler.name_to_buf.get(name) if name in owner else scheduler.name_to_donated_buffer.get(name)
                     if (source is not None and source.node is not None and source.node.should_allocate()
-                            and name not in graph.removed_buffers):
+                            and name not in graph.removed_buffers and not source.node.get_inputs_that_alias_output()):
                         pool.setdefault(buffer_reuse_key(source.node), []).append((at, name))
                 pending.clear()
                 group = None
+
+            def allocate(buf, step: int, grouped: bool) -> None:
+                """Give `buf` a storage at `step`: a freed one of its kind while Inductor's estimate
+                of the peak allows, else its own (from the start of the CPU group it runs in)."""
+                name = buf.get_name()
+                key = buffer_reuse_key(buf.node) if buf.node.should_allocate() else None
+                freed = pool.get(key) if key is not None and inductor_config.allow_buffer_reuse else None
+                if freed:
+                    free_step, old = freed.pop()
+                    size = nbytes(buf)
+                    if free_step + 1 == step or size + max(by_step[free_step + 1:step], default=0) <= overall:
+                        for t in range(free_step + 1, step):
+                            by_step[t] += size
+                        owner[name] = owner.get(old, old)
+                        return
+                    freed.append((free_step, old))
+                owner[name] = len(storages)
+                storages.append([group if grouped else step, step, int(buf.mpi_buffer.size_alloc)])
+                kinds.append(None if key is None or not inductor_config.allow_buffer_reuse else repr(key))
 
             for step, node in enumerate(nodes):
                 extern = node.is_extern()
@@ -179,23 +201,20 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
                         storages.append([made, step, int(buf.mpi_buffer.size_free)])
                         kinds.append(None)
                         continue
+                    if name in owner:
+                        continue  # its storage was allocated for a view written into it first
+                    layout = buf.node.layout
+                    target = layout.view.get_name() if isinstance(layout, NonOwningLayout) else None
+                    if target in scheduler.name_to_buf:
+                        # Computed straight into a slice of a later buffer (cat's inputs): the code
+                        # generator allocates that buffer here, and this one is a view of it.
+                        if target not in owner:
+                            allocate(scheduler.name_to_buf[target], step, on_cpu and not extern)
+                        owner[name] = owner[target]
+                        continue
                     if not buf.mpi_buffer.size_alloc:
                         continue  # an alias, a mutation, or fused away: no storage of its own
-                    key = buffer_reuse_key(buf.node) if buf.node.should_allocate() else None
-                    freed = pool.get(key) if key is not None and inductor_config.allow_buffer_reuse else None
-                    if freed:
-                        free_step, old = freed.pop()
-                        size = nbytes(buf)
-                        if free_step + 1 == step or size + max(by_step[free_step + 1:step], default=0) <= overall:
-                            for t in range(free_step + 1, step):
-                                by_step[t] += size
-                            owner[name] = owner.get(old, old)
-                            continue
-                        freed.append((free_step, old))
-                    owner[name] = len(storages)
-                    first = group if on_cpu and not extern else step
-                    storages.append([first, step, int(buf.mpi_buffer.size_alloc)])
-                    kinds.append(None if key is None or not inductor_config.allow_buffer_reuse else repr(key))
+                    allocate(buf, step, on_cpu and not extern)
                 pending.extend(node.last_usage)
                 if extern or not on_cpu:
                     release(step)
@@ -345,9 +364,12 @@ def schedule_peak(schedule: tuple[int, list[tuple[int, int | None, int]], dict[s
 # (tests/test_inductor_memory.py holds both to the measured peak). A graph that does not cut into
 # a few runs per block, or passes a tuple or a size across a cut, is scheduled whole; and so is the
 # backward of a plan that min-cut partitioned after its CSE and that recomputes (the planner says
-# which): there the CSE shares recomputes (the causal mask) between blocks, Inductor fuses across
-# them and runs one block's recompute during another's backward (GPT 3 x 128, every block: 9.8 MB
-# whole, 8.0 laid end to end), which no cut between blocks can show. Its forward recomputes
+# which): there Inductor fuses neighbouring blocks' recomputes sideways (GPT 3 x 128, every block:
+# block 1's softmax `amax` recompute runs in one kernel with block 2's, during block 2's backward)
+# and the whole graph's peak is not the blocks' laid end to end (9.8 MB whole, 8.0 laid end to
+# end; GPT-2 12 x 256: 127.0 whole, 138.7 laid end to end), which no cut between blocks can show.
+# (Un-sharing the values the CSE shares between blocks, the causal mask's constants, changes
+# nothing: it is the fusion.) Its forward recomputes
 # nothing and is cut as any other. Blocks whose dropout reads another of the step's seeds (an
 # index into one tensor) are alike: the index is left out of the key.
 _SEGMENT_SCHEDULES: dict[str, tuple] = {}

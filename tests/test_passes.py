@@ -10,7 +10,7 @@ import torch
 
 import ckpt_fx
 from ckpt_fx import CheckpointPolicy
-from passes._compat import RECOMPUTE_KEY
+from passes._compat import RECOMPUTE_KEY, has_inductor_partitioner_hook
 from passes.memory import _walk
 from passes.regions import forward_nodes
 from passes.schedule import first_use_distance, schedule_pass
@@ -379,3 +379,30 @@ def test_alike_blocks_share_a_schedule_whatever_seed_their_dropout_reads():
 
     assert block(0, 4) == block(1, 4)
     assert block(0, 4) != block(0, 6)
+
+
+@pytest.mark.skipif(not has_inductor_partitioner_hook(), reason="no custom_partitioner_fn in this torch")
+def test_a_kernel_computed_into_a_slice_of_a_cat_is_one_storage_with_the_cat(fresh_inductor_cache):
+    """Note [Inductor's own schedule]: a cat whose inputs other ops read too has them computed
+    straight into its slices (NonOwningLayout); they hold no storage of their own. Counting them
+    apart predicted 20.0 MB against 12.0 measured here (an MoE's gate and up halves: +12%)."""
+
+    class Gated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(256, 256)
+
+        def forward(self, x):
+            h = self.lin(x)
+            a, b = h.sigmoid() * h, h.exp() * h
+            return (torch.cat([a, b], dim=-1).sum(-1) + a.mean(-1) * b.mean(-1)).sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(4096, 256, requires_grad=True)
+    backend = ckpt_fx.backend(policy="none", compiler="inductor", strict=True)
+    fn = torch.compile(Gated(), backend=backend)
+    fn(x).backward()
+    measured = ckpt_fx.peak_bytes(lambda: fn(x).backward())
+    predicted = ckpt_fx.step_peak_bytes(backend.plans)
+    assert backend.plans[0].peak_model.name == "INDUCTOR"
+    assert abs(predicted / measured - 1) < 0.02, (predicted, measured)
