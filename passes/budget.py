@@ -470,13 +470,17 @@ def _cheapest_fitting(low: int, high: int, *, fits: Callable[[int], bool], saved
                       peak: Callable[[int], int], limit: int) -> int:
     """The first candidate that fits between `low` (does not fit; -1: the baseline) and `high`
     (fits). A candidate's peak falls about linearly with the bytes it saves, so each step plans the
-    one whose saved bytes the line through the two ends puts at the limit (the first saving no more
-    than that), and halves the interval instead when the last step did not (a curve far from a
-    line); a bisection's answer, in fewer plans."""
-    halve = False
+    one whose saved bytes the line through the two ends puts nearest the limit; once a fitting one
+    peaks within NEAR of the limit, the one before it (saving more) is planned next, as it most
+    likely decides (not twice in a row); and a step that did not halve the interval is followed by
+    a halving (a curve far from a line): a bisection's answer, in fewer plans."""
+    halve = stepped = False
     while high - low > 1:
         middle = (low + high) // 2
-        if not halve:
+        step = not stepped and peak(high) >= (1 - NEAR) * limit
+        if step:
+            middle = high - 1
+        elif not halve:
             x_low, x_high, p_low, p_high = saved(low), saved(high), peak(low), peak(high)
             if p_low > p_high and x_low > x_high:
                 target = x_high + (limit - p_high) * (x_low - x_high) / (p_low - p_high)
@@ -487,14 +491,21 @@ def _cheapest_fitting(low: int, high: int, *, fits: Callable[[int], bool], saved
                         hi = mid
                     else:
                         lo = mid + 1
-                middle = lo
+                # or the one before it, when that one's saved bytes are nearer the target
+                middle = lo - 1 if lo - 1 > low and saved(lo - 1) - target < target - saved(lo) else lo
         width = high - low
+        stepped = step
         if fits(middle):
             high = middle
         else:
             low = middle
         halve = not halve and 2 * (high - low) > width
     return high
+
+
+NEAR = 0.05
+"""How near the limit a fitting candidate's peak must be for the one before it to be planned next
+(_cheapest_fitting)."""
 
 
 def _affordable(offered: Candidates, gm: torch.fx.GraphModule, bound: float) -> int:
