@@ -48,7 +48,8 @@ from passes.warn import BudgetWarning, warn_user
 # candidate's peak comes from the joint graph (JointLiveness), most saved first until one fits.
 # Under min-cut a peak needs the candidate partitioned and Inductor's schedule of it (seconds for
 # a large graph), so the cheapest fitting one is found by a search over the candidates that plans
-# few (interpolating on saved bytes, bisecting where that does not pay), their peaks falling as
+# few (interpolating on saved bytes, bisecting where that does not pay, next to a fitting one
+# that peaks near the limit planning the one before it), their peaks falling as
 # they save less (a search over peaks that do not fall may pick a costlier plan that fits, never
 # one that does not); torch's own plan at the same budget takes part (Note [Torch's knob as a
 # candidate]), and when it fits, the candidates that cannot cost less than it are not planned. The candidates do not depend on the limit, so a lower limit picks
