@@ -132,7 +132,7 @@ def test_a_schedule_per_block_lowers_each_distinct_block_once_and_agrees_with_th
     lowered: list[int] = []  # nodes of each graph lowered
     peaks = []
 
-    def whole(gm, *, is_backward, donated=(), label):
+    def whole(gm, *, is_backward, donated=(), label, shared=None):
         return inductor_memory.inductor_schedule(inductor_memory.copy_graph_module(gm), is_backward=is_backward, donated=donated)
 
     def both(fw, bw, **kw):
