@@ -379,15 +379,20 @@ def schedule_peak(schedule: tuple[int, list[tuple[int, int | None, int]], dict[s
 # prediction by up to 7% against the whole graph's on the test models, both ways
 # (tests/test_inductor_memory.py holds both to the measured peak), and more with depth: a block
 # scheduled alone hands buffers on under its own peak, the whole graph under the graph's (GPT-2
-# 12 x 256, every block: backward +8.7%, forward -2.7%). What stands before the first block is
-# a segment of its own (the embedding; in the backward, the loss's gradient), and in the forward so
-# is what stands after the last (the head and the loss), so the first and last blocks are alike
-# to the others and the head, which no plan changes, is lowered once for all a budget's
-# candidates; and a forward value several blocks read that the prelude alone computes (a mask or
-# rotary table min-cut's CSE left in the first block that reads it) joins the prelude. On
-# transformers' Llama 6 x 256 under `budget:0.5` the last block's forward segment shrank from 110
-# nodes to 77 (the others' size) and the head's 33 are lowered once for the whole search; every
-# plan's prediction stayed the same. GPT 3 x 128 `selective`: -6.9% -> -0.1% against measured.
+# 12 x 256, every block: backward +8.7%, forward -2.7%). In the forward, what stands before the
+# first block is a segment of its own (the embedding), and so is what stands after the last (the
+# head and the loss), so the first and last blocks are alike to the others and the head, which no
+# plan changes, is lowered once for all a budget's candidates; and a forward value several blocks
+# read that the prelude alone computes (a mask or rotary table min-cut's CSE left in the first
+# block that reads it) joins the prelude. On transformers' Llama 6 x 256 under `budget:0.5` the
+# last block's forward segment shrank from 110 nodes to 77 (the others' size) and the head's 33
+# are lowered once for the whole search. The backward's prelude (the loss's gradient and the
+# head's backward) stays in the last block's segment: cut off, it under-predicted ViT's backward
+# by 4.9 MB against the whole graph's schedule (71.7 MB laid end to end, 76.6 whole, 81.9
+# measured, `budget:0.9` of the README's sweep); joined, ViT's backward laid end to end equals the
+# whole graph's on every plan of that budget's search, and the test models' predictions are those
+# of before the cut but for GPT 3 x 128 `selective` (-0.1% with the cut, -6.9% without: there the
+# cut over-predicted the plan without min-cut's CSE, which tipped the choice to the CSE'd one).
 # A graph that does not cut into a few runs per block, or passes a tuple or a size across a cut,
 # is scheduled whole; and so is the
 # backward of a plan that min-cut partitioned after its CSE and that recomputes (the planner says
@@ -550,11 +555,10 @@ def _config_key() -> str:
 
 def _segments(compute: list[torch.fx.Node], label, *, shared, is_backward: bool) -> list[list[torch.fx.Node]]:
     """Runs of nodes of one block, in graph order; a node of no block joins the run it stands in,
-    and a getitem joins its tuple's run. What stands before the first block's nodes is a run of its
-    own (the prelude: the embedding, or the loss's backward), and in the forward so is what stands
-    after the last block's (the loss); a forward value several blocks read, computed from the
-    prelude alone, joins the prelude, with what only such values read (Note [A schedule per
-    block])."""
+    and a getitem joins its tuple's run. In the forward, what stands before the first block's
+    nodes is a run of its own (the prelude: the embedding), and so is what stands after the last
+    block's (the loss); a forward value several blocks read, computed from the prelude alone, joins
+    the prelude, with what only such values read (Note [A schedule per block])."""
     import operator
 
     labelled = [i for i, n in enumerate(compute) if label(n) is not None]
@@ -584,7 +588,7 @@ def _segments(compute: list[torch.fx.Node], label, *, shared, is_backward: bool)
             segments[0].append(node)
             continue
         block = label(node)
-        if (not segments or position in (first, last + 1)
+        if (not segments or (not is_backward and position in (first, last + 1))
                 or (block is not None and current is not None and block != current)):
             segments.append([])
         if block is not None:
