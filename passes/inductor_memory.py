@@ -563,7 +563,7 @@ def _segments(compute: list[torch.fx.Node], label, *, shared, is_backward: bool)
 
     labelled = [i for i, n in enumerate(compute) if label(n) is not None]
     first = labelled[0] if labelled else len(compute)
-    last = labelled[-1] if labelled and not is_backward else len(compute)
+    cuts = {first, labelled[-1] + 1} if labelled and not is_backward else set()  # the forward's prelude and head
     hoisted: set[torch.fx.Node] = set()
     if not is_backward and first > 0:
         feeds: set[torch.fx.Node] = set()  # values several blocks read, what only they read, the constants they read
@@ -588,7 +588,7 @@ def _segments(compute: list[torch.fx.Node], label, *, shared, is_backward: bool)
             segments[0].append(node)
             continue
         block = label(node)
-        if (not segments or (not is_backward and position in (first, last + 1))
+        if (not segments or position in cuts
                 or (block is not None and current is not None and block != current)):
             segments.append([])
         if block is not None:
