@@ -197,7 +197,8 @@ def memory_pass(
     if fused and not sizes and not offloaded:
         scheduled = scheduled_peaks(fw, bw, entry=bw_entry, key_of=bw_key, pinned=pinned, by_block=by_block)
         if scheduled is not None:
-            fw_peak, bw_peak = scheduled
+            fw_peak, bw_peak, copies = scheduled
+            forward_end += copies  # saved inputs Inductor saves as copies (Note [Saved inputs in another layout])
             peak_model = PeakModel.INDUCTOR
     bw_out = bw.graph.output_node()
     # Gradients of parameters (static inputs) outlive the step; gradients of activations that

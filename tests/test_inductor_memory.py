@@ -77,6 +77,34 @@ def test_the_prediction_from_inductors_schedule_is_within_ten_percent_of_the_mea
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
 
 
+def test_a_saved_input_inductor_converts_to_channels_last_is_counted_until_the_backward_reads_it(fresh_inductor_cache):
+    """Note [Saved inputs in another layout]: a vision transformer's patch embedding convolves its
+    images, which Inductor converts to channels-last and saves as a copy in their place (on a CPU
+    always). Counted free, the step was predicted under the measured peak by the copy's bytes
+    (ViT of the README's sweep, every block: 43.7 MB for 52.2)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=256, num_labels=10,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.ViTForImageClassification(config).train()
+    images, labels = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+    backend = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", compiler="inductor", strict=True)
+    fn = torch.compile(model, backend=backend)
+
+    def step():
+        fn(pixel_values=images, labels=labels).loss.backward()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    measured = ckpt_fx.peak_bytes(step)
+    [plan] = backend.plans
+    assert plan.peak_model == PeakModel.INDUCTOR
+    # The images' copy (and the weight's) live from the forward's end, beside the saved values.
+    assert plan.forward_end_bytes >= images.nelement() * images.element_size() + plan.saved_bytes
+    assert abs(ckpt_fx.step_peak_bytes(backend.plans) / measured - 1) < 0.10, (ckpt_fx.step_peak_bytes(backend.plans), measured)
+
+
 def test_the_prediction_of_torchs_knob_follows_inductors_own_schedule(fresh_inductor_cache):
     """torch's knob at 0.3 recomputes pointwise chains (dropout masks from their seeds among them)
     that Inductor then stores: the walk's own guess of fusion predicted 0.71x of the measured peak
@@ -157,5 +185,6 @@ def test_a_schedule_per_block_lowers_each_distinct_block_once_and_agrees_with_th
     # Four blocks each way, the middle two alike; the ends join the first and last block's runs.
     assert len(segments) <= 6, segments
     assert max(segments) < bw_nodes / 2, (segments, fw_nodes, bw_nodes)
-    for ours, whole_graph in zip(mine, theirs):
+    for ours, whole_graph in zip(mine[:2], theirs[:2]):  # the two peaks
         assert abs(ours / whole_graph - 1) < 0.10, (mine, theirs)
+    assert mine[2] == theirs[2] == 0  # no convolution: no saved input in another layout
