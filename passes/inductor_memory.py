@@ -5,6 +5,7 @@ project that reads Inductor's internals most deeply: the one file to check on a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -44,31 +45,34 @@ log = logging.getLogger("ckpt_fx")
 
 
 def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> tuple[
-        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None]]:
+        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None], list[tuple[int, ...] | None]]:
     """How Inductor will run a partitioned graph and hold its memory, from its own lowering and
     scheduler (what it fuses, the order it picks) and its code generator's rules for buffers (what
     it writes in place, which freed buffer it hands to a later one); nothing is compiled.
 
-    Returns (steps, storages, input_end, returned): each storage the graph allocates as (step that
+    Returns (steps, storages, input_end, returned, strides): each storage the graph allocates as (step that
     allocates it, last step it lives through or None when the graph returns it, bytes): a buffer
     written into another's storage, or given a freed one, lengthens that one's life instead of
     allocating; for each graph input read, the last step it lives through (a donated input whose
     storage a buffer takes over lives as long as that buffer; None when the graph returns it); and
-    for each of the graph's outputs, the storage it returns (an index, an input's name, or None).
-    An output that is an input may come back in a storage of its own: under layout optimization
-    Inductor returns a convolution's input in the layout it converted it to. Raises where
+    for each of the graph's outputs, the storage it returns (an index, an input's name, or None)
+    and its stride as Inductor lays it out (None: unknown). Under layout optimization an output
+    may come back channels-last, and an output that is an input in a storage of its own, the copy
+    Inductor converted for a convolution. Raises where
     this torch's Inductor cannot be asked; the caller falls back (Note [Inductor's own schedule]).
     `donated`: the backward's placeholders (by position) holding saved values it may reuse, as
     AOTAutograd computes them once the partition is made (functorch's donated_buffer). `gm` is
     lowered as it is: pass a copy."""
-    steps, storages, input_end, returned, _ = _schedule(gm, is_backward=is_backward, donated=donated)
-    return steps, storages, input_end, returned
+    steps, storages, input_end, returned, _, strides = _schedule(gm, is_backward=is_backward, donated=donated)
+    return steps, storages, input_end, returned, strides
 
 
 def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> tuple[
-        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None], list[str | None]]:
+        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None], list[str | None],
+        list[tuple[int, ...] | None]]:
     """inductor_schedule's answer; for each of the graph's outputs whose storage it is (a
-    storage's index, an input's name, or None); and each storage's reuse key (None: not reusable)."""
+    storage's index, an input's name, or None); each storage's reuse key (None: not reusable); and
+    each output's stride as Inductor lays it out (None: unknown)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import detect_fake_mode
@@ -235,7 +239,13 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
             for name in graph.get_output_names():
                 where = owner.get(name, name)
                 returned.append(where if isinstance(where, int) or where in graph_inputs else None)
-            return len(nodes), [tuple(s) for s in storages], input_end, returned, kinds
+            strides: list[tuple[int, ...] | None] = []  # each output's, as Inductor lays it out
+            for out in graph.graph_outputs:
+                try:
+                    strides.append(tuple(int(V.graph.sizevars.optimization_hint(d, fallback=1)) for d in out.get_stride()))
+                except Exception:  # noqa: BLE001 - no tensor, or no fixed layout: its stride is the graph's
+                    strides.append(None)
+            return len(nodes), [tuple(s) for s in storages], input_end, returned, kinds, strides
 
 
 def _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode, can_match_buffer_size) -> dict[str, str]:
@@ -243,6 +253,12 @@ def _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, Schedul
     there as kernels are generated): a generated kernel's output into a buffer or a donated input
     it is the last reader of, read at the index it writes, of the same dtype and size. {output
     buffer: the buffer or input whose storage it takes}."""
+    from torch._inductor import ir
+
+    # Inputs that are no buffer of their own to write into (a scatter's or mutation's output, a
+    # tuple), which decide_inplace_update passes over: reading their dtype raises.
+    unwritable = tuple(getattr(ir, name) for name in ("NoneLayout", "MultiOutputLayout", "MutationLayoutSHOULDREMOVE",
+                                                      "CommBufferLayout") if hasattr(ir, name))
     readable = {**scheduler.name_to_buf, **scheduler.name_to_donated_buffer}
     step_of = {sub: step for step, node in enumerate(nodes) for sub in node.get_nodes()}
     in_place: dict[str, str] = {}
@@ -264,7 +280,8 @@ def _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, Schedul
                     accesses = {d for u in users if step_of.get(u.node) == step
                                 for d in u.node.read_writes.reads_and_writes() if d.name == read.name}
                     if (len(later) == 1 and later[0].can_inplace and later[0].node is sub and len(accesses) <= 1
-                            and source.node is not None and can_match_buffer_size(source.node, out.node)):
+                            and source.node is not None and not isinstance(source.node.get_output_spec(), unwritable)
+                            and can_match_buffer_size(source.node, out.node)):
                         in_place[name] = read.name
                         break
     return in_place
@@ -322,7 +339,7 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
 
     try:
         forward = schedule(fw, True, is_backward=False)
-        backward = schedule(bw, by_block, is_backward=True, donated=donated)
+        backward = schedule(_restrided(bw, fw, forward[4]), by_block, is_backward=True, donated=donated)
     except Exception as error:  # noqa: BLE001 - any failure: the walk's own prediction stands
         log.info("ckpt_fx: Inductor's schedule unavailable (%s: %s); the memory pass predicts fusion itself",
                  type(error).__name__, error)
@@ -358,6 +375,34 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
         freed[key] = None if end is None or last is None else max(last, end)
     return (schedule_peak(forward, entry={}, freed={}), schedule_peak(backward, entry=entry, freed=freed),
             sum(copies.values()))
+
+
+def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list) -> torch.fx.GraphModule:
+    """`bw`, or a copy whose saved values have the strides the forward's schedule gives them, as
+    AOTAutograd restrides the backward's inputs to the compiled forward's outputs before compiling
+    it: under layout optimization a saved activation comes channels-last, and the backward's
+    kernels (and what they copy) follow it."""
+    from torch._guards import detect_fake_mode
+
+    results = fw.graph.output_node().args[0]
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    stride_of = {n.name: st for n, st in zip(results, strides) if isinstance(n, torch.fx.Node) and st is not None}
+    changed = {}
+    for node in bw.graph.nodes:
+        value = node.meta.get("val")
+        if (node.op == "placeholder" and node.name in stride_of and isinstance(value, torch.Tensor)
+                and tuple(value.stride()) != stride_of[node.name] and len(value.shape) == len(stride_of[node.name])):
+            changed[node.name] = stride_of[node.name]
+    if not changed:
+        return bw
+    copy = copy_graph_module(bw)
+    fake = detect_fake_mode([n.meta.get("val") for n in copy.graph.nodes if n.op == "placeholder"])
+    with fake if fake is not None else contextlib.nullcontext():
+        for node in copy.graph.nodes:
+            if node.name in changed and node.op == "placeholder":
+                value = node.meta["val"]
+                node.meta = {**node.meta, "val": value.as_strided(value.shape, changed[node.name])}
+    return copy
 
 
 def schedule_peak(schedule: tuple, *, entry: dict[object, int], freed: dict[object, int | None]) -> int:
@@ -437,7 +482,7 @@ _SEGMENT_CACHE_SIZE = 512
 
 def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = (),
                        label, shared=lambda node: False) -> tuple[
-        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None]]:
+        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None], list[tuple[int, ...] | None]]:
     """inductor_schedule's answer for `gm`, from one schedule per distinct block (Note [A schedule
     per block]); `label(node)` names a node's block or None, `shared(node)` says whether several
     blocks read it. `gm` is not changed."""
@@ -476,10 +521,10 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
         result = _SEGMENT_SCHEDULES.get(key)
         if result is None:
             # By position, not name: an alike segment elsewhere has inputs of other names.
-            steps, local, local_end, returned, kinds = _schedule(sub, is_backward=is_backward, donated=gives)
+            steps, local, local_end, returned, kinds, strides = _schedule(sub, is_backward=is_backward, donated=gives)
             position = {n.name: i for i, n in enumerate(inputs)}
             result = (steps, local, {position[k]: v for k, v in local_end.items() if k in position},
-                      [f"p{position[r]}" if isinstance(r, str) and r in position else r for r in returned], kinds)
+                      [f"p{position[r]}" if isinstance(r, str) and r in position else r for r in returned], kinds, strides)
             lowered += 1
             if len(_SEGMENT_SCHEDULES) >= _SEGMENT_CACHE_SIZE:
                 _SEGMENT_SCHEDULES.clear()
@@ -511,7 +556,7 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
                 input_end[place] = None if step is None or last is None else max(last, step)
 
         offset = 0
-        for index, (inputs, outs, (steps, local, local_end, returned, kinds)) in enumerate(prepared):
+        for index, (inputs, outs, (steps, local, local_end, returned, kinds, _)) in enumerate(prepared):
             last_step = offset + steps - 1
             pool: dict[str, list[int]] = {}
             if live is not None:
@@ -574,7 +619,13 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
     steps, storages, input_end, where = stitch(live)
     results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     returned = [where.get(n) if isinstance(n, torch.fx.Node) else None for n in results]
-    return steps, [tuple(s) for s in storages], input_end, returned
+    # Each output's stride from the segment that makes it (an input's: the one that copies it).
+    stride_of: dict[torch.fx.Node, tuple[int, ...] | None] = {}
+    for _, outs, (_, _, _, places, _, strides) in prepared:
+        for n, place, stride in zip(outs, places, strides):
+            if n.op != "placeholder" or isinstance(place, int):
+                stride_of.setdefault(n, stride)
+    return steps, [tuple(s) for s in storages], input_end, returned, [stride_of.get(n) for n in results]
 
 
 def _config_key() -> str:
@@ -637,6 +688,7 @@ def _segment_module(members: list[torch.fx.Node], inputs: list[torch.fx.Node], o
                     is_backward: bool, donated: tuple[int, ...]) -> tuple[torch.fx.GraphModule, str]:
     """A graph module of one segment (its inputs as placeholders of the same names) and a key equal
     for segments of the same structure, shapes and donated inputs."""
+
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     number: dict[torch.fx.Node, str] = {}
