@@ -354,8 +354,7 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
     # README's sweep was predicted that much under the measured peak (every block: 43.7 MB for
     # 52.2). A segment reading such an input returns it too, so the segment that converts it shows
     # the copy (Note [A schedule per block]).
-    results = fw.graph.output_node().args[0]
-    results = results if isinstance(results, (tuple, list)) else (results,)
+    results = _results(fw.graph)
     copies = {n.name: forward[1][place][2] for n, place in zip(results, forward[3])
               if isinstance(n, torch.fx.Node) and n.op == "placeholder" and isinstance(place, int)}
     if copies:
@@ -384,8 +383,7 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
     kernels (and what they copy) follow it."""
     from torch._guards import detect_fake_mode
 
-    results = fw.graph.output_node().args[0]
-    results = results if isinstance(results, (tuple, list)) else (results,)
+    results = _results(fw.graph)
     stride_of = {n.name: st for n, st in zip(results, strides) if isinstance(n, torch.fx.Node) and st is not None}
     changed = {}
     for node in bw.graph.nodes:
@@ -403,6 +401,13 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
                 value = node.meta["val"]
                 node.meta = {**node.meta, "val": value.as_strided(value.shape, changed[node.name])}
     return copy
+
+
+def _results(graph: torch.fx.Graph) -> tuple:
+    """A graph's outputs in order, as Inductor lists them (its output node's one argument, a tuple
+    or a single value)."""
+    results = graph.output_node().args[0]
+    return tuple(results) if isinstance(results, (tuple, list)) else (results,)
 
 
 def schedule_peak(schedule: tuple, *, entry: dict[object, int], freed: dict[object, int | None]) -> int:
@@ -617,7 +622,7 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
         running += change
         live.append(running)
     steps, storages, input_end, where = stitch(live)
-    results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    results = _results(gm.graph)
     returned = [where.get(n) if isinstance(n, torch.fx.Node) else None for n in results]
     # Each output's stride from the segment that makes it (an input's: the one that copies it).
     stride_of: dict[torch.fx.Node, tuple[int, ...] | None] = {}
