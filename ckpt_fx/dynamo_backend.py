@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import Any
 
@@ -158,6 +158,10 @@ class CkptBackend:
         """With count_runs: the index in `plans` of each graph's forward run, in order."""
         self._count_runs = count_runs
         self.plans: list[Plan] = []
+        self.checkpointed_by_model: tuple[str, ...] = ()
+        """Units the model's own checkpointing would cover in the graphs compiled next, where
+        ckpt_fx.enable switched it off for them (Note [The model's own checkpointing under enable]
+        in ckpt_fx/in_place.py); each plan reports those of its graph."""
         self.on_joint: list[Callable[[torch.fx.GraphModule, Any, dict[str, Any]], None]] = []
         self.on_partitioned: list[Callable[[Partitioned], None]] = []
         self._graphs = 0
@@ -214,6 +218,10 @@ class CkptBackend:
             )
             plan = None
         if plan is not None:
+            if self.checkpointed_by_model and not plan.checkpointed_by_model:
+                units = {unit.path for unit in plan.units}
+                plan = replace(
+                    plan, checkpointed_by_model=tuple(u for u in self.checkpointed_by_model if u in units))
             self.plans.append(plan)
             self._warn_if_unmatched(plan, name)
             self._warn_if_outputs_held(plan)

@@ -10,13 +10,27 @@ so the switch sits there: on the smallest module holding every stack of repeated
 decoder model under a causal-LM head, the encoder and decoder's common parent), or the model itself
 when it has no such stack. What lies outside it (an LM head, a loss) runs eagerly: checkpointing
 recomputes nothing there anyway.
+
+Note [The model's own checkpointing under enable]
+A Hugging Face model's own switch (`activation_checkpointing_enable`, which TRL and Trainer turn on)
+sets a `gradient_checkpointing` flag on its layers, and each flagged layer then runs its forward
+inside torch.utils.checkpoint. ckpt-fx's plan replaces that checkpointing, so for each compiled call
+enable turns the flags off, passes `use_cache=False` as the switch would (a training step keeps no
+KV cache), and turns them back on when the call returns: the graph traced is the model's plain
+forward, not the checkpoint wrappers, whose details change between releases (in transformers 5.25
+a logging call and a state change inside them break dynamo's graph at every layer, and nothing
+would be planned). The backend is told which units the switch would have checkpointed
+(`CkptBackend.checkpointed_by_model`), so each plan still reports them and says when it
+recomputes fewer. Eval, no_grad and generate run the model as it is, flags included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,22 +74,65 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
     own = module.__dict__.get("forward")
     original = module.forward
     compiled = torch.compile(original, backend=chosen, dynamic=dynamic)
+    signature = inspect.signature(original)
+    parameters = list(signature.parameters.values())
+    # Where use_cache would be passed by position (none passes it so; it is then left as given).
+    use_cache_at = next((i for i, p in enumerate(parameters) if p.name == "use_cache"), None)
+    if use_cache_at is not None and parameters[use_cache_at].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        use_cache_at = len(parameters)
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled():
+        if not (self.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        with _own_checkpointing_off(self) as units:  # Note [The model's own checkpointing under enable]
+            chosen.checkpointed_by_model = units
+            if units and use_cache_at is not None and len(args) <= use_cache_at:
+                kwargs["use_cache"] = False
             return compiled(*args, **kwargs)
-        return original(*args, **kwargs)
 
     # A bound method, as the class's forward is (wrappers that unwrap `forward.__func__`, such as
     # accelerate's autocast, keep working), with the original's signature and name: trainers read
     # the signature to choose which dataset columns to pass.
-    signature = inspect.signature(original)
     self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
     forward.__name__, forward.__doc__ = getattr(original, "__name__", "forward"), getattr(original, "__doc__", None)
     module.forward = types.MethodType(forward, module)
     _ENABLED[model] = _Switched(backend=chosen, module=module, forward=own)
     return chosen
+
+
+@contextlib.contextmanager
+def _own_checkpointing_off(module: torch.nn.Module) -> Iterator[tuple[str, ...]]:
+    """Within: every `gradient_checkpointing` flag under `module` that was on is off, and the value
+    is the units it checkpointed (paths from `module`); on exit the flags are back on (Note [The
+    model's own checkpointing under enable])."""
+    flagged = [(name, m) for name, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not flagged:
+        yield ()
+        return
+    for _, m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        yield _units(module, [name for name, _ in flagged])
+    finally:
+        for _, m in flagged:
+            m.gradient_checkpointing = True
+
+
+def _units(module: torch.nn.Module, flagged: list[str]) -> tuple[str, ...]:
+    """The units a model's own switch checkpoints, from the paths of its flagged modules: the
+    flagged layers of a stack (Hugging Face's GradientCheckpointingLayer), or, where only a parent
+    is flagged (older models, whose loop checkpoints each layer it calls), its stacks' layers."""
+    layers = [name for name in flagged if name.rpartition(".")[2].isdigit()]
+    if layers:
+        return tuple(layers)
+    found = []
+    for parent in flagged:
+        for name, child in module.get_submodule(parent).named_modules(prefix=parent):
+            children = dict(child.named_children())
+            if len(children) > 1 and all(k.isdigit() for k in children):
+                found.extend(f"{name}.{k}" if name else k for k in children)
+    return tuple(dict.fromkeys(found))
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module:

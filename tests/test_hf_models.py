@@ -107,6 +107,41 @@ def test_replacing_hf_checkpointing_says_what_it_keeps_that_hf_did_not():
     assert sum(s.nbytes for plan in b.plans for s in plan.saved if s.kind == "dropout mask") > 0
 
 
+def test_enable_traces_the_plain_forward_where_hf_checkpointing_is_on_and_reports_its_units():
+    """ckpt_fx.enable on a model with HF's checkpointing on (TRL's default): each compiled training
+    call runs with the model's own flags off (its checkpoint function is never called, not even
+    while dynamo traces) and use_cache=False, as HF's switch passes it; the plan names the layers
+    HF's switch covered and recomputes each; afterwards the flags are on again, and the gradients
+    equal those of HF's own checkpointing."""
+    torch.manual_seed(0)
+    model = llama().train()
+    reference = copy.deepcopy(model)
+    hf_checkpointing_enable(reference, use_reentrant=False)
+    backend = ckpt_fx.enable(model, compiler="eager")
+    hf_checkpointing_enable(model, use_reentrant=False)  # after enable, as trainers do
+    calls = []
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in flagged:
+        own = m._gradient_checkpointing_func
+        m._gradient_checkpointing_func = lambda *a, _own=own, **k: calls.append(1) or _own(*a, **k)
+    ids = torch.randint(0, 128, (2, 32))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+    assert not calls
+    assert not [w for w in record if "KV cache" in str(w.message)]  # use_cache=False, as HF's switch passes
+    assert [m.gradient_checkpointing for m in flagged] == [True] * len(flagged)
+    (plan,) = backend.plans
+    assert plan.checkpointed_by_model == ("layers.0", "layers.1", "layers.2")
+    assert [b.path for b in plan.blocks if b.recomputed_ops] == list(plan.checkpointed_by_model)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, r.grad, rtol=1e-4, atol=1e-6)
+    ckpt_fx.disable(model)
+
+
 def test_hf_trainer_trains_a_model_compiled_in_place_and_saves_a_normal_checkpoint(tmp_path):
     """The HF Trainer trains a tiny Llama compiled in place with `model.compile(backend="ckpt")`
     (the README's path); the losses equal those of the run without checkpointing, and
