@@ -149,7 +149,7 @@ class CkptBackend:
         """`device`: the device type the plans are for when the graphs are traced on another
         (fit traces on CPU fake tensors for a GPU); by default the graphs' own. `kernels=False`
         (Inductor only): plan as Inductor would, run the graphs as Python, no kernels generated
-        (explain's plans in seconds). `count_runs`: record in `runs` the plan of each graph as it
+        (explain's plans, without code generation). `count_runs`: record in `runs` the plan of each graph as it
         runs (a graph run once per block after a graph break in the loop over blocks)."""
         self.options = options
         self.device = device

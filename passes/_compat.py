@@ -230,7 +230,7 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
     the hook. `uuid` keys Inductor's FX graph cache: it must change with anything that changes
     the plan, or the cache serves a plan made for another policy; None turns the cache off.
     `kernels=False`: the partitioned graphs run as Python, op by op, instead of as Inductor's
-    generated kernels: the plan Inductor would get, in seconds (no caching)."""
+    generated kernels: the plan Inductor would get, without its code generation (no caching)."""
     import torch._inductor.config as inductor_config
 
     if not hasattr(inductor_config, "custom_partitioner_fn"):
