@@ -219,9 +219,10 @@ class CkptBackend:
             plan = None
         if plan is not None:
             if self.checkpointed_by_model and not plan.checkpointed_by_model:
-                units = {unit.path for unit in plan.units}
-                plan = replace(
-                    plan, checkpointed_by_model=tuple(u for u in self.checkpointed_by_model if u in units))
+                # The graph's units inside a module the model checkpointed (a Swin stage holds blocks).
+                inside = lambda path: any(path == u or path.startswith(u + ".") for u in self.checkpointed_by_model)  # noqa: E731
+                plan = replace(plan, checkpointed_by_model=tuple(
+                    unit.name for unit in plan.units if inside(unit.path)))
             self.plans.append(plan)
             self._warn_if_unmatched(plan, name)
             self._warn_if_outputs_held(plan)
