@@ -13,7 +13,7 @@ import torch
 from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend, Options
 from ckpt_fx.measure import peak_bytes
-from passes._compat import no_fx_graph_cache, pytree
+from passes._compat import logging_calls_ignored, no_fx_graph_cache, pytree
 from passes import Plan, step_peak_bytes
 from passes.plan import PeakModel, SavedTensor
 from passes.sizes import format_size
@@ -122,16 +122,18 @@ def training_loss(out: Any) -> torch.Tensor:
 
 def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | None = None,
             measure: bool = False, compiler: str | None = None, **kwargs: Any) -> Report:
-    """Compile a copy of `model` with `policy`, run one training step on (args, kwargs), and report
-    per block the saved bytes, the recomputed ops and FLOPs, every saved tensor, the predicted peak
-    (and the measured one, with eager's beside it, when `measure=True`). `compiler` is the inner
-    compiler to plan for (default: the backend's, CKPT_FX_COMPILER or Inductor); the plans differ
-    (under Inductor torch's min-cut decides what the policy leaves open). Under Inductor the plans
-    are made as Inductor makes them, but no kernel is generated unless `measure=True` (the step
+    """Compile a copy of `model` with `policy`, run one training step's forward on (args, kwargs)
+    (each graph is planned as its forward compiles), and report per block the saved bytes, the
+    recomputed ops and FLOPs, every saved tensor, the predicted peak (and, when `measure=True`, the
+    measured peak of a whole step, with eager's beside it). `compiler` is the inner compiler to
+    plan for (default: the backend's, CKPT_FX_COMPILER or Inductor); the plans differ (under
+    Inductor torch's min-cut decides what the policy leaves open). Under Inductor the plans are
+    made as Inductor makes them, but no kernel is generated unless `measure=True` (the forward
     runs its graphs op by op): no code generation or C++ build, though dynamo's trace and the
-    plans (with their Inductor schedules) still take their time (`python -m ckpt_fx explain`,
-    GPT-2 12 x 256: 77 s on an idle 2-core CPU, of it 23 s planning). A graph that runs several times in the step (a graph break inside the loop
-    over blocks) counts as often as it runs in the predicted peak.
+    plans (with their Inductor schedules) still take their time (the README's figures). A graph
+    that runs several times in the step (a graph break inside the loop over blocks) counts as
+    often as it runs in the predicted peak. transformers' `warning_once` is traced as a call that
+    does nothing (Note [Logging calls under explain]).
 
     The model is not changed, and the process is left as it was: the random number generators'
     states are restored, and no compiled model is reset (explain compiles a fresh function of its
@@ -144,15 +146,19 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     work = copy.deepcopy(model)
     compiled = torch.compile(_fresh_function(lambda *a, **k: work(*a, **k)), backend=backend)
 
-    def step(fn) -> None:
+    def step(fn, *, backward: bool = True) -> None:
         torch.manual_seed(0)
-        training_loss(fn(*args, **kwargs)).backward()
+        loss = training_loss(fn(*args, **kwargs))
+        if backward:
+            loss.backward()
 
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
     cuda = [device.index or 0] if device.type == "cuda" else []
     # A plan served from Inductor's FX graph cache would not be made again: nothing to report.
-    with torch.random.fork_rng(devices=cuda), no_fx_graph_cache():
-        step(compiled)
+    with torch.random.fork_rng(devices=cuda), no_fx_graph_cache(), logging_calls_ignored(_advisory_logging()):
+        # Every graph's plan is made when its forward compiles: the backward is run only to be
+        # measured (a warm step first).
+        step(compiled, backward=measure)
         runs = list(backend.runs)  # the first step's: each graph as often as it ran
         measured = eager = None
         if measure:
@@ -180,6 +186,27 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
         warnings=tuple(_pitfalls(options.policy, name, plans)),
         units=tuple(_units(plans)),
     )
+
+
+# Note [Logging calls under explain]
+# transformers' models call `logger.warning_once` in their forward (GPT-2's loss_function does on
+# every call: its class name maps to no loss type), and Dynamo breaks the graph at a logging call:
+# the step traces as two graphs (the blocks, the loss) and Dynamo traces the frame a second time
+# to place the break. The call computes nothing, so explain traces it as a call that does
+# nothing: the step is one graph, as a model whose forward logs nothing traces, and is traced
+# once (the README's explain timings). Its message is not printed by explain's compiled step.
+# `enable` compiles the backbone, whose layers such calls are rarely in (GPT-2's is in its LM
+# head, which runs outside the compiled backbone); torch.compile(model, backend="ckpt") traces
+# the model as Dynamo's own settings say (the README's Known limits).
+
+
+def _advisory_logging() -> tuple:
+    """The logging calls explain traces as no-ops: transformers' `Logger.warning_once`, where
+    transformers is imported (it adds the method to logging.Logger)."""
+    import logging
+
+    once = getattr(logging.Logger, "warning_once", None)
+    return (once,) if once is not None else ()
 
 
 _calls = itertools.count()

@@ -45,6 +45,7 @@ __all__ = [
     "is_impure_not_random",
     "is_primal",
     "is_tangent",
+    "logging_calls_ignored",
     "memory_events",
     "offload_bandwidth",
     "op_schema",
@@ -350,6 +351,21 @@ def no_fx_graph_cache():
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(fx_graph_cache=False)
+
+
+def logging_calls_ignored(functions: tuple[Callable[..., Any], ...]):
+    """A context in which Dynamo traces a call of any of `functions` (logging methods) as a call
+    that does nothing, instead of breaking the graph there; the calls then print nothing while
+    compiled code runs."""
+    import contextlib
+
+    import torch._dynamo.config as dynamo_config
+
+    # torch 2.13 to 2.15 name it so; `ignore_logger_methods` is its older alias.
+    name = next((n for n in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(dynamo_config, n)), None)
+    if name is None or not functions:
+        return contextlib.nullcontext()
+    return dynamo_config.patch(**{name: set(getattr(dynamo_config, name)) | set(functions)})
 
 
 def dynamo_recompile_limit(limit: int):

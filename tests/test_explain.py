@@ -127,3 +127,26 @@ def test_explain_names_each_call_of_a_shared_layer_as_a_unit():
     assert "| layers.0 #0 |" in text and "| layers.0 #2 |" in text
     assert "units: layers.0 runs 3 times: each call is a unit (layers.0 #0 .. #2)" in text
     assert all(b.recomputed_ops > 0 for plan in report.plans for b in plan.blocks)
+
+
+def test_a_hugging_face_models_logging_call_does_not_split_explains_graph_and_no_backward_runs():
+    """Note [Logging calls under explain]: GPT-2's loss_function calls transformers' warning_once
+    on every forward, where Dynamo would break the graph (the blocks and the loss planned as two
+    graphs); explain traces it as a no-op, and runs the forward only when it does not measure
+    (the input's gradient stays None)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ids = torch.randint(0, 100, (2, 16))
+    embeds = torch.randn(2, 16, 32, requires_grad=True)
+    report = ckpt_fx.explain(model, inputs_embeds=embeds, labels=ids, use_cache=False,
+                             policy="blocks:every=1,skip_first=0", compiler="eager")
+    assert len(report.plans) == 1, [p.units for p in report.plans]
+    assert [b.path for b in report.plans[0].blocks] == ["transformer.h.0", "transformer.h.1"]
+    assert embeds.grad is None, "explain ran a backward without measuring"
+    measured = ckpt_fx.explain(model, inputs_embeds=embeds, labels=ids, use_cache=False, compiler="eager", measure=True)
+    assert len(measured.plans) == 1 and measured.measured_peak_bytes and embeds.grad is not None
