@@ -361,7 +361,7 @@ def logging_calls_ignored(functions: tuple[Callable[..., Any], ...]):
 
     import torch._dynamo.config as dynamo_config
 
-    # torch 2.13 to 2.15 name it so; `ignore_logger_methods` is its older alias.
+    # The setting by its name, or by its older one (`ignore_logger_methods`) where only that exists.
     name = next((n for n in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(dynamo_config, n)), None)
     if name is None or not functions:
         return contextlib.nullcontext()
