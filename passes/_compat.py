@@ -25,6 +25,7 @@ __all__ = [
     "activation_memory_budget",
     "aot_autograd",
     "aot_module_simplified",
+    "backward_lowering_config",
     "boxed_nop",
     "cache_hash",
     "CHECKPOINT_REGION_KEY",
@@ -236,7 +237,7 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
 
     if not hasattr(inductor_config, "custom_partitioner_fn"):
         return None
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class Partitioner(CustomPartitionerFn):
@@ -250,9 +251,14 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
         def __reduce__(self):  # the cache key pickles the config: the uuid stands for us
             return (str, (str(uuid),))
 
+    def lower(gm, example_inputs, *args, **kwargs):
+        backward = backward_lowering_config() if kwargs.get("is_backward") else {}
+        with inductor_config.patch(backward):
+            return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
     def compile_with_partitioner(gm, example_inputs):
         with inductor_config.patch(custom_partitioner_fn=Partitioner()):
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, inner_compile=lower)
 
     def plan_without_kernels(gm, example_inputs):
         import torch._functorch.config as functorch_config
@@ -266,6 +272,29 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
             return compile_fx(gm, example_inputs, inner_compile=run_as_python)
 
     return compile_with_partitioner if kernels else plan_without_kernels
+
+
+# Note [The layout of a backward that recomputes convolutions]
+# Inductor decides layout optimization (channels-last buffers around convolutions) per graph,
+# from the graph's own `aten.convolution` nodes (GraphLowering.decide_layout_opt). Inductor alone
+# never recomputes a convolution (min-cut recomputes fusible ops only), so its backward holds
+# convolution backwards but no convolution and is lowered without layout optimization. A backward
+# that recomputes convolutions would be lowered with it, and on a CPU a depthwise convolution's
+# backward on channels-last buffers takes oneDNN's path, which allocates scratch of the size of
+# its unfolded input: checkpointing then raised a ConvNeXt step's peak above the step without it
+# (the README's Known limits). So every backward is lowered as Inductor alone lowers its own:
+# without layout optimization (a backward with no convolution is lowered as before), unless the
+# user forces layout optimization. The memory pass lowers backwards with the same settings.
+
+
+def backward_lowering_config() -> dict[str, Any]:
+    """Inductor's settings for lowering a backward graph of ours (Note [The layout of a backward
+    that recomputes convolutions]), for its compile and for the memory pass's schedule alike."""
+    import torch._inductor.config as inductor_config
+
+    if getattr(inductor_config, "force_layout_optimization", False):
+        return {}
+    return {"layout_optimization": False}
 
 
 # torch's names for the copies its offload pass inserts (it identifies them by these prefixes).

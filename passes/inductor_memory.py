@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from passes._compat import backward_lowering_config
 from passes.costs import tensor_bytes
 from passes.graphs import copy_graph_module
 from passes.regions import REGION_KEY
@@ -92,7 +93,8 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
     if fake is None:
         raise RuntimeError("the graph's inputs carry no fake tensors to lower it with")
     # Lower and schedule only: no autotuning benchmarks, no debug folders.
-    quiet = {"trace.enabled": False, "max_autotune": False, "max_autotune_gemm": False, "benchmark_fusion": False}
+    quiet = {"trace.enabled": False, "max_autotune": False, "max_autotune_gemm": False, "benchmark_fusion": False,
+             **(backward_lowering_config() if is_backward else {})}  # as the backend compiles it
     with _disable_current_modes(), inductor_config.patch(quiet), V.set_fake_mode(fake), DebugContext():
         graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake.shape_env, is_backward=is_backward)
         if is_backward:  # read from the tracing context, which holds another graph's at partition time
