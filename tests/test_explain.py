@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import ckpt_fx
@@ -134,8 +135,6 @@ def test_a_hugging_face_models_logging_call_does_not_split_explains_graph_and_no
     on every forward, where Dynamo would break the graph (the blocks and the loss planned as two
     graphs); explain traces it as a no-op, and runs the forward only when it does not measure
     (the input's gradient stays None)."""
-    import pytest
-
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0,
