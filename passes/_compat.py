@@ -212,6 +212,13 @@ def activation_memory_budget(fraction: float):
     return functorch_config.patch(activation_memory_budget=fraction)
 
 
+def torch_budget() -> float:
+    """torch's min-cut memory-budget knob as it is set now (1.0: off)."""
+    import torch._functorch.config as functorch_config
+
+    return float(getattr(functorch_config, "activation_memory_budget", 1.0))
+
+
 def without_joint_cse():
     """A context in which torch's min-cut partitioner does not CSE the joint graph first."""
     import torch._functorch.config as functorch_config

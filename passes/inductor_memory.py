@@ -474,8 +474,8 @@ def schedule_peak(schedule: tuple, *, entry: dict[object, int], freed: dict[obje
 # cut over-predicted the plan without min-cut's CSE, which tipped the choice to the CSE'd one).
 # A graph that does not cut into a few runs per block, or passes a tuple or a size across a cut,
 # is scheduled whole; and so is the
-# backward of a plan that min-cut partitioned after its CSE and that recomputes (the planner says
-# which): there Inductor fuses neighbouring blocks' recomputes sideways (GPT 3 x 128, every block:
+# backward of a plan that min-cut partitioned after its CSE and that asks for recomputes (the
+# planner says which; Note [Whole backward schedules] in passes/planner.py): there Inductor fuses neighbouring blocks' recomputes sideways (GPT 3 x 128, every block:
 # block 1's softmax `amax` recompute runs in one kernel with block 2's, during block 2's backward)
 # and the whole graph's peak is not the blocks' laid end to end (9.8 MB whole, 8.0 laid end to
 # end; GPT-2 12 x 256: 121.7 whole, 138.8 laid end to end), which no cut between blocks can show.
