@@ -1,7 +1,8 @@
 """Compile time under Inductor: each setup's first training step minus a warm one, with the FX
 graph and autograd caches off, on transformers' Llama (SDPA attention, grouped-query) of LAYERS
 blocks 256 wide, batch 2 x 512; setups one after another in one process (Inductor alone, then ckpt
-policies with Inductor as the inner compiler).
+policies with Inductor as the inner compiler), the memory pass's schedules of alike blocks
+forgotten between setups (a later setup would find the blocks an earlier one scheduled).
 
     python tests/compile_time.py LAYERS [SETUPS]      e.g. python tests/compile_time.py 6 inductor,budget:0.5,blocks
 
@@ -14,6 +15,7 @@ import time
 import torch
 
 import ckpt_fx
+import passes.inductor_memory
 from ckpt_fx.bench.workloads import hf_workload
 
 torch._inductor.config.fx_graph_cache = False
@@ -31,6 +33,7 @@ def main() -> None:
     torch.manual_seed(0)
     for name in setups:
         torch._dynamo.reset()
+        passes.inductor_memory._SEGMENT_SCHEDULES.clear()
         workload = hf_workload("LlamaConfig", layers=layers, dim=256, heads=4, batch=2, seq=512)  # 2 key/value heads
         backend = "inductor" if name == "inductor" else ckpt_fx.backend(policy=name, compiler="inductor")
         compiled = torch.compile(workload.model, backend=backend)
