@@ -294,3 +294,24 @@ def test_alike_blocks_with_offload_solve_through_parts_as_the_whole(transfer):
         check(problem, split.saved, split.recomputed, split.offloaded)
         assert split.saved_bytes <= budget
         assert split.cost == pytest.approx(whole.cost)
+
+
+def test_a_milp_plan_keeps_within_its_budget_where_the_solvers_tolerance_would_let_it_over():
+    """Note [A plan within its budget]: on this problem (megabyte values, costs of microseconds)
+    HiGHS returns a plan 1 byte over a budget of 4202499 bytes, within its feasibility tolerance;
+    milp solves again below it. A part's front walked from such a plan asked for the same budget
+    until its solves ran out."""
+    problem = Problem(
+        names=tuple(map(str, range(12))),
+        nbytes=(1048576, 4096, 4096, 2097152, 4096, 2097152, 2097152, 2097152, 2097152, 4, 1048576, 3145728),
+        cost=(1.4e-06, 5e-05, 1.4e-06, 0.0002, 0.0001, 0.0013, 0.0001, 0.0013, 0.0002, 0.0001, 1.4e-06, 5e-05),
+        inputs=((), (0,), (), (1, 2), (), (), (), (5,), (1, 4), (4,), (), (3, 9)),
+        needed=(True, False, True, True, True, False, True, False, True, False, True, True),
+    )
+    budget = 4202499
+    plan = milp(problem, budget)
+    assert plan.saved_bytes <= budget
+    check(problem, plan.saved, plan.recomputed)
+    from passes.solve import pareto_front
+    front = pareto_front(problem)
+    assert front.exact and all(b <= a for a, b in zip(front.nbytes, front.nbytes[1:]))
