@@ -19,7 +19,6 @@ def partition_pass(
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
     partitioner: str = "default",
-    cse: bool | None = None,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Split the joint graph by the decisions select_pass wrote into node.meta["recompute"].
 
@@ -30,9 +29,9 @@ def partition_pass(
       uses it: without fusion, a recomputed pointwise op is a kernel of its own.
     - "min_cut" gives the open decisions to torch's min-cut partitioner, which recomputes cheap
       fusible ops when that saves bytes (Note [Min-cut under Inductor]): with no tags this is
-      exactly Inductor's own partition, and every policy's savings stack on top of it. `cse`:
-      whether min-cut first merges identical nodes of the joint graph as torch does (True), or
-      not (False); None: not when the policy recomputes anything (Note [CSE under recompute]).
+      exactly Inductor's own partition, and every policy's savings stack on top of it. Min-cut
+      first merges identical nodes of the joint graph (its CSE) as torch does, unless the policy
+      recomputes anything (Note [CSE under recompute]).
     The backward receives copies of the recomputed nodes (same names, same meta). Torch orders the
     backward it returns much as schedule_pass does; schedule_pass still runs after it, so the
     just-in-time order is ours to guarantee. Mutates the joint graph only as torch's partitioners
@@ -42,7 +41,7 @@ def partition_pass(
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; valid: {', '.join(PARTITIONERS)}")
     split = min_cut_partition if partitioner == "min_cut" else default_partition
-    merge = merges_joint(joint, partitioner=partitioner, cse=cse)
+    merge = merges_joint(joint, partitioner=partitioner)
     with without_joint_cse() if merge is False else contextlib.nullcontext():
         return split(
             joint,
@@ -56,12 +55,13 @@ def recomputes(joint: torch.fx.GraphModule) -> bool:
     return any(n.meta.get(RECOMPUTE_KEY) in RECOMPUTE for n in joint.graph.nodes)
 
 
-def merges_joint(joint: torch.fx.GraphModule, *, partitioner: str, cse: bool | None) -> bool | None:
-    """Whether partition_pass lets min-cut CSE the joint graph first (its `cse`, resolved);
-    None under the default partition, which has no such step."""
+def merges_joint(joint: torch.fx.GraphModule, *, partitioner: str) -> bool | None:
+    """Whether partition_pass lets min-cut CSE the joint graph first: when nothing is marked for
+    recompute (Note [CSE under recompute]); None under the default partition, which has no such
+    step."""
     if partitioner != "min_cut":
         return None
-    return not recomputes(joint) if cse is None else cse
+    return not recomputes(joint)
 
 
 # Note [Min-cut under Inductor]
@@ -74,12 +74,19 @@ def merges_joint(joint: torch.fx.GraphModule, *, partitioner: str, cse: bool | N
 # own partition and no policy starts from a worse baseline than Inductor alone.
 
 # Note [CSE under recompute]
-# torch's min-cut partitioner first merges identical nodes of the joint graph (CSE), which ties
-# backward computations to forward nodes a policy marked for recompute; whether that helps depends
-# on the model: neither wins everywhere (the README's Known limits gives measured pairs), and the
-# memory pass orders such pairs right. So a policy that recomputes is partitioned both ways and
-# the plan of the lower predicted peak is kept (Plan.joint_cse says which; planner.plan_fixed), without CSE first:
-# min-cut's CSE replaces joint.graph. A plan without recomputes (`none`) keeps torch's setting and
-# stays exactly Inductor's own partition. A budget's candidates are planned after one with nothing
+# torch's min-cut partitioner first merges identical nodes of the joint graph (CSE). Under a
+# policy that recomputes, that ties the blocks together: values each block computes alike from
+# the same inputs (an attention mask converted per layer, rotary slices) become one node that
+# every block's recompute reads. Whether that lowers the peak depends on how Inductor then fuses:
+# one shared mask instead of one per block lowers it a little; neighbouring blocks' recomputes
+# that read the shared node fused into one kernel, which runs the earlier block's recompute during
+# the later block's backward, raises it a lot. The memory pass cannot tell the two apart cheaply:
+# a CSE'd backward has to be scheduled whole (Note [Whole backward schedules] in
+# passes/planner.py), and the two predictions differ from the measured peaks by more than the
+# peaks differ from each other (the README's Known limits gives the measured pairs). So a policy
+# that recomputes is partitioned once, without the CSE: never the large loss, at most a few
+# percent above the CSE'd partition where that one wins, and one partition and one whole-graph
+# schedule fewer per compile. A plan without recomputes (`none`) keeps torch's setting and stays
+# exactly Inductor's own partition. A budget's candidates are planned after one with nothing
 # recomputed (and after torch's own plan), so they are partitioned, without CSE, from the graph
 # that CSE made.

@@ -11,7 +11,7 @@ from passes.batchnorm import batchnorm_pass
 from passes.costs import costs_pass
 from passes.dropout import dropout_pass
 from passes.plan import GraphFacts, Plan, assemble
-from passes.planner import Joint, plan_fixed
+from passes.planner import Joint, plan_policy
 from passes.policy import BudgetSpec, Policy, uses_blocks
 from passes._compat import CHECKPOINT_REGION_KEY
 from passes.regions import PATH_KEY, REGION_KEY, forward_nodes, regions_pass
@@ -64,7 +64,7 @@ def run(
     if isinstance(policy, BudgetSpec):
         planned, choice = budget.choose(prepared, policy, hard_rules=forced, strict=strict)
     else:
-        planned, choice = plan_fixed(prepared, policy), None
+        planned, choice = plan_policy(prepared, policy), None
     plan = assemble(planned, policy=policy_name, facts=facts,
                     hard_rules={name: reason.rule for name, reason in forced.items()}, choice=choice)
     log.log(logging.INFO if dump is not None else logging.DEBUG,  # debug runs list the passes at INFO

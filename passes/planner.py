@@ -44,13 +44,14 @@ class Joint:
     what the cost model prices with."""
 
 
-def plan_policy(joint: Joint, policy: Policy, *, cse: bool | None = None, by_block: bool | None = None) -> Planned:
+def plan_policy(joint: Joint, policy: Policy, *, by_block: bool | None = None) -> Planned:
     """Decide every forward node by `policy`, partition, fold BatchNorm's twins, order the backward
     just in time and predict the memory; the joint graph's meta holds the decisions afterwards.
-    `cse`: whether min-cut first merges identical nodes of the joint graph (passes.partition).
+    Under min-cut, a policy that recomputes is partitioned without min-cut's CSE of the joint
+    graph (Note [CSE under recompute] in passes/partition.py).
     `by_block`: whether Inductor's schedule of the backward may be taken block by block (Note [A
     schedule per block]); by default, unless min-cut partitioned after its CSE a plan that asks
-    for recomputes (Note [Whole backward schedules])."""
+    for recomputes (torch's budget knob; Note [Whole backward schedules])."""
     steps, gm = joint.steps, joint.gm
     steps.run("select", lambda: select_pass(gm, policy=policy), gm)
     steps.show("select", "after", gm)
@@ -61,12 +62,12 @@ def plan_policy(joint: Joint, policy: Policy, *, cse: bool | None = None, by_blo
         and getattr(n.meta.get(REGION_KEY), "kind", None) == RegionKind.EMBEDDING
     )
     asked = recomputes(gm) or torch_budget() < 1.0
-    merged = merges_joint(gm, partitioner=joint.partitioner, cse=cse)
+    merged = merges_joint(gm, partitioner=joint.partitioner)
     fw, bw = steps.run(
         "partition",
         lambda: partition_pass(gm, joint.inputs, num_fwd_outputs=joint.num_fwd_outputs,
                                static_lifetime_input_indices=joint.static_lifetime_input_indices,
-                               partitioner=joint.partitioner, cse=cse),
+                               partitioner=joint.partitioner),
         gm,
     )
     steps.run("batchnorm", lambda: fold_twins(fw), fw)
@@ -91,32 +92,12 @@ def plan_policy(joint: Joint, policy: Policy, *, cse: bool | None = None, by_blo
 
 # Note [Whole backward schedules]
 # The backward of a plan min-cut partitioned after its CSE is scheduled whole where recomputes
-# were asked for, by a policy or by torch's budget knob (Note [A schedule per block]: Inductor fuses
-# neighbouring blocks' recomputes sideways). Inductor's own partition asks for none: min-cut
+# were asked for, which only torch's budget knob does (a policy that recomputes is partitioned
+# without the CSE: Note [CSE under recompute] in passes/partition.py): Inductor fuses neighbouring
+# blocks' recomputes sideways there (Note [A schedule per block]). Inductor's own partition asks for none: min-cut
 # recomputes only fusible ops next to their readers, and its backward laid end to end block by
 # block equals the whole graph's schedule on transformers' Llama (4 and 6 x 256), Qwen2, GPT-2
 # (SDPA), the sweep's BERT and ViT, and is over it on Mixtral (4 experts, top 2): backward peak
 # +1.2% at 4 x 256, +4.3% at 3 x 128 (2026-12-04; tests/test_inductor_memory.py holds it to 5%).
 # So it is scheduled per block: one whole-graph lowering fewer for `none` and for every budget,
 # which plans Inductor's own partition as its baseline (0.6-1.5 s at 4-6 blocks of 256 here).
-
-
-def plan_fixed(joint: Joint, policy: Policy) -> Planned:
-    """A per-node policy's plan; under min-cut, a policy that recomputes is partitioned without and
-    with min-cut's CSE of the joint graph and the plan of lower predicted peak kept, the cheaper
-    (less recomputed) on a tie (Note [CSE under recompute] in passes/partition.py)."""
-    without = plan_policy(joint, policy)
-    if without.joint_cse is not False:  # the default partition, or min-cut with nothing recomputed
-        return without
-    return _lower(without, plan_policy(joint, policy, cse=True))
-
-
-def _lower(without: Planned, merged: Planned) -> Planned:
-    """Of a plan partitioned without and with min-cut's CSE, the one of lower predicted peak; the
-    cheaper (less recomputed) on a tie."""
-    order = lambda planned: (planned.prediction.peak_bytes, planned.prediction.recompute_flops)  # noqa: E731
-    chosen = min((without, merged), key=order)
-    log.info("ckpt_fx: partitioned with and without min-cut's CSE: %.1f / %.1f MB predicted; kept %s",
-             merged.prediction.peak_bytes / 2**20, without.prediction.peak_bytes / 2**20,
-             "with" if chosen is merged else "without")
-    return chosen
