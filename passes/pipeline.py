@@ -10,6 +10,7 @@ from passes import budget
 from passes.batchnorm import batchnorm_pass
 from passes.costs import costs_pass
 from passes.dropout import dropout_pass
+from passes.grouped_mm import grouped_mm_pass
 from passes.plan import GraphFacts, Plan, assemble
 from passes.planner import Joint, plan_policy
 from passes.policy import BudgetSpec, Policy, uses_blocks
@@ -34,7 +35,7 @@ def run(
     dump: Dump | None = None,
     device: str | None = None,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, Plan]:
-    """dropout -> batchnorm -> regions -> costs, then the plan: a per-node policy's
+    """dropout -> batchnorm -> grouped_mm -> regions -> costs, then the plan: a per-node policy's
     (passes.planner: select -> partition -> fold twins -> schedule -> memory), or a memory
     budget's search over such plans (passes.budget); returns (fw, bw, plan).
 
@@ -46,6 +47,7 @@ def run(
     steps = Steps(dump)
     steps.run("dropout", lambda: dropout_pass(joint), joint)
     steps.run("batchnorm", lambda: batchnorm_pass(joint), joint)
+    steps.run("grouped_mm", lambda: grouped_mm_pass(joint), joint)
     # A policy that does not look at blocks (graph(), none()) needs no warning about missing ones.
     region_map = steps.run("regions", lambda: regions_pass(joint, warn=uses_blocks(policy)), joint)
     steps.run("costs", lambda: costs_pass(joint), joint)

@@ -278,3 +278,87 @@ def test_stages_and_shared_layers_are_units_and_gradients_are_bitwise(build, kin
     blocks = [bp for plan in b.plans for bp in plan.blocks]
     assert [bp.path for bp in blocks] == units
     assert all(bp.recomputed_ops > 0 for bp in blocks[1:])
+
+
+def _mixtral_lora(*, frozen_experts: bool):
+    """A tiny Mixtral (4 experts, top 2, fp32: transformers' own grouped-matmul op under compile),
+    with peft LoRA on q/v (experts frozen) or every parameter trained."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    model = transformers.MixtralForCausalLM(cfg).train()
+    if frozen_experts:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+@pytest.mark.parametrize("frozen_experts", [True, False])
+def test_a_grouped_matmuls_unread_weight_gradient_is_not_computed_and_gradients_are_bitwise(frozen_experts):
+    """Note [A grouped matmul's unread weight gradient]: with frozen experts the backward computes
+    the experts' input gradients by the forward op (transformers' backward op is gone from it), the
+    routed inputs are no longer saved for it, and gradients are bitwise those of aot_eager, which
+    runs transformers' backward op; with trained experts the backward op stays."""
+    import passes.pipeline
+
+    model = _mixtral_lora(frozen_experts=frozen_experts)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(backend):
+        torch._dynamo.reset()
+        for p in trained:
+            p.grad = None
+        torch.compile(model, backend=backend)(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return [p.grad.clone() for p in trained]
+
+    def saved_and_backward_ops(backend):
+        graphs = []
+        backend.on_partitioned.append(lambda record: graphs.append(record))
+        got = grads(backend)
+        ops = {str(n.target) for g in graphs for n in g.backward.graph.nodes if n.op == "call_function"}
+        return got, sum(g.plan.saved_bytes for g in graphs), ops
+
+    reference = grads("aot_eager")
+    ours, saved, ops = saved_and_backward_ops(ckpt_fx.backend(policy="none", compiler="eager", strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+    assert ("transformers.grouped_mm_fallback_backward.default" in ops) is not frozen_experts, sorted(ops)
+    assert "transformers.grouped_mm_fallback.default" in ops or not frozen_experts
+    checkpointed, _, _ = saved_and_backward_ops(ckpt_fx.backend(policy="blocks", compiler="eager", strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(checkpointed, reference, strict=True))
+    if frozen_experts:
+        real = passes.pipeline.grouped_mm_pass
+        passes.pipeline.grouped_mm_pass = lambda gm: 0
+        try:
+            _, saved_without, _ = saved_and_backward_ops(ckpt_fx.backend(policy="none", compiler="eager", strict=True))
+        finally:
+            passes.pipeline.grouped_mm_pass = real
+        assert saved < saved_without, (saved, saved_without)
+
+
+@pytest.mark.slow
+def test_a_grouped_matmuls_input_gradient_alone_lowers_under_inductor(fresh_inductor_cache):
+    """The forward op that stands in for transformers' grouped-matmul backward (Note [A grouped
+    matmul's unread weight gradient]) lowers under Inductor, which lays a custom op's inputs out by
+    their traced values; gradients equal eager's."""
+    model = _mixtral_lora(frozen_experts=True)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(fn):
+        for p in trained:
+            p.grad = None
+        fn(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return [p.grad.clone() for p in trained]
+
+    eager = grads(model)
+    torch._dynamo.reset()
+    backend = ckpt_fx.backend(policy="blocks", compiler="inductor", strict=True)
+    graphs = []
+    backend.on_partitioned.append(lambda record: graphs.append(record))
+    for got, want in zip(grads(torch.compile(model, backend=backend)), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    ops = {str(n.target) for g in graphs for n in g.backward.graph.nodes if n.op == "call_function"}
+    assert "transformers.grouped_mm_fallback.default" in ops and "transformers.grouped_mm_fallback_backward.default" not in ops
