@@ -31,8 +31,8 @@ def grouped_mm_pass(gm: torch.fx.GraphModule) -> int:
     the forward op computing the input's gradient alone (Note [A grouped matmul's unread weight
     gradient]).
 
-    Mutates the graph in place (per rewrite: adds a transpose of the weight and the grouped matmul,
-    with the backward op's meta, before it; removes the backward op and its getitem; other nodes
+    Mutates the graph in place (per rewrite: adds the weight transposed (a permute) and the grouped
+    matmul, with the backward op's meta, before it; removes the backward op and its getitem; other nodes
     keep their names); deterministic. Returns the number rewritten.
     """
     graph = gm.graph
@@ -57,8 +57,8 @@ def grouped_mm_pass(gm: torch.fx.GraphModule) -> int:
         transposed.meta["val"] = weight_value.permute(0, 2, 1)
         product.meta["val"] = grad_value
         traced = node.meta.get("eager_input_vals")  # the values Inductor lays a custom op's inputs out by
-        if traced is not None:
-            (_, weight_in, offs_in, grad_in), _ = traced
+        if isinstance(traced, tuple) and len(traced) == 2 and len(traced[0]) == 4 and not traced[1]:
+            _, weight_in, offs_in, grad_in = traced[0]
             product.meta["eager_input_vals"] = ((grad_in, weight_in.permute(0, 2, 1), offs_in), {})
         grad_input.replace_all_uses_with(product)
         graph.erase_node(grad_input)
