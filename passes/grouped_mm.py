@@ -8,8 +8,8 @@ grouped_mm_fallback_backward(input, weight, offs, grad_output) -> (grad_input, g
 always computes the weight's gradient, so the backward always reads the forward's input. When the
 experts are frozen (LoRA, adapters) nobody reads that gradient, and yet the input (the routed
 tokens, the gated activations) is saved or recomputed for it: eager autograd, which runs torch's
-own grouped matmul there, keeps neither (a Mixtral block of width 128 under LoRA kept 1.5 MB more
-compiled than in eager). The input's gradient alone is the forward op again, on the gradient and
+own grouped matmul there, keeps neither (the README's table beside HF's checkpointing gives what
+a Mixtral LoRA block kept). The input's gradient alone is the forward op again, on the gradient and
 the transposed weight: grouped_mm_fallback(grad_output, weight.transpose(1, 2), offs) runs, per
 expert, the same torch.mm on the same views into a zero-filled buffer of the same size and dtype,
 so it is bitwise what the backward op returns as grad_input. grouped_mm_pass puts it in the
@@ -31,10 +31,13 @@ def grouped_mm_pass(gm: torch.fx.GraphModule) -> int:
     the forward op computing the input's gradient alone (Note [A grouped matmul's unread weight
     gradient]).
 
-    Mutates the graph in place (per rewrite: adds the weight transposed (a permute) and the grouped
-    matmul, with the backward op's meta, before it; removes the backward op and its getitem; other nodes
-    keep their names); deterministic. Returns the number rewritten.
+    Mutates the graph in place (per rewrite: adds the weight transposed (a permute) and the
+    grouped matmul, with the backward op's meta, before it; removes the backward op and its
+    getitem; other nodes keep their names); deterministic. Returns the number rewritten.
     """
+    forward = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if forward is None:  # transformers' ops are not registered: nothing of theirs in the graph
+        return 0
     graph = gm.graph
     count = 0
     for node in list(graph.nodes):
@@ -45,12 +48,12 @@ def grouped_mm_pass(gm: torch.fx.GraphModule) -> int:
             continue  # the weight's gradient is read, or the tuple is used whole
         grad_input = reads[0]
         _, weight, offs, grad_output = node.args
-        forward = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
         weight_value, grad_value = weight.meta.get("val"), grad_input.meta.get("val")
-        if forward is None or not isinstance(weight_value, torch.Tensor) or not isinstance(grad_value, torch.Tensor):
+        if not isinstance(weight_value, torch.Tensor) or not isinstance(grad_value, torch.Tensor):
             continue
         with graph.inserting_before(node):
-            transposed = graph.call_function(torch.ops.aten.permute.default, (weight, [0, 2, 1]))  # decomposed, as Inductor lowers it
+            # A permute, not a transpose: the joint graph holds decomposed ops, as Inductor lowers them.
+            transposed = graph.call_function(torch.ops.aten.permute.default, (weight, [0, 2, 1]))
             product = graph.call_function(forward.default, (grad_output, transposed, offs))
         for new in (transposed, product):
             new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "eager_input_vals")})
