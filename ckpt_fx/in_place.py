@@ -22,6 +22,16 @@ a logging call and a state change inside them break dynamo's graph at every laye
 would be planned). The backend is told which units the switch would have checkpointed
 (`CkptBackend.checkpointed_by_model`), so each plan still reports them and says when it
 recomputes fewer. Eval, no_grad and generate run the model as it is, flags included.
+
+Note [A training step's KV cache]
+A Hugging Face causal LM returns its KV cache unless called with use_cache=False, and the cache is
+a graph output: every block's keys and values stay alive from the forward to the backward whatever
+the plan. HF's checkpointing switch passes use_cache=False in training, so a model switched from
+it to enable, called the usual way (`model(input_ids=..., labels=...)`), would keep what it did
+not keep before. So enable passes use_cache=False to the compiled training calls too, unless the
+caller asked for a cache (use_cache=True; a causal-LM head hands its own use_cache argument on,
+None when not given: the config's default), and then the backend's warning about held outputs
+names the cost; generate, under no_grad, keeps its cache.
 """
 
 from __future__ import annotations
@@ -86,7 +96,9 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
             return original(*args, **kwargs)
         with _own_checkpointing_off(self) as units:  # Note [The model's own checkpointing under enable]
             chosen.checkpointed_by_model = units
-            if units and use_cache_at is not None and len(args) <= use_cache_at:
+            # No KV cache in a training step, as HF's switch passes (Note [A training step's KV
+            # cache]); where the model's own switch was on, as it would have, whatever was asked.
+            if use_cache_at is not None and len(args) <= use_cache_at and (units or kwargs.get("use_cache") is None):
                 kwargs["use_cache"] = False
             return compiled(*args, **kwargs)
 

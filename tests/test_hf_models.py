@@ -142,6 +142,31 @@ def test_enable_traces_the_plain_forward_where_hf_checkpointing_is_on_and_report
     ckpt_fx.disable(model)
 
 
+def test_enable_keeps_no_kv_cache_in_training_calls_unless_asked_for():
+    """Note [A training step's KV cache]: a model enabled without HF's switch on, called the usual
+    way in training, keeps no KV cache (as HF's switch passes use_cache=False); a caller who passes
+    use_cache=True gets the cache, and the backend's warning names what it holds."""
+    torch.manual_seed(0)
+    model = llama().train()
+    backend = ckpt_fx.enable(model, compiler="eager")
+    ids = torch.randint(0, 128, (2, 32))
+
+    def step(**kwargs):
+        torch._dynamo.reset()
+        backend.plans.clear()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = model(input_ids=ids, labels=ids, **kwargs)
+            out.loss.backward()
+        return out, [str(w.message) for w in record if "KV cache" in str(w.message)], backend.plans[0]
+
+    out, said, plan = step()
+    assert out.past_key_values is None and not said and not plan.held_outputs
+    out, said, plan = step(use_cache=True)
+    assert out.past_key_values is not None and len(said) == 1 and plan.held_outputs
+    ckpt_fx.disable(model)
+
+
 def test_hf_trainer_trains_a_model_compiled_in_place_and_saves_a_normal_checkpoint(tmp_path):
     """The HF Trainer trains a tiny Llama compiled in place with `model.compile(backend="ckpt")`
     (the README's path); the losses equal those of the run without checkpointing, and
