@@ -4,7 +4,6 @@ fold_twins -> schedule -> offload -> memory. The pipeline calls it for a fixed p
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,6 @@ from passes.schedule import schedule_pass
 from passes.select import BY_POLICY, REASON_KEY, RECOMPUTE, select_pass
 from passes.steps import Steps
 
-log = logging.getLogger("ckpt_fx")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,9 +92,9 @@ def plan_policy(joint: Joint, policy: Policy, *, by_block: bool | None = None) -
 # The backward of a plan min-cut partitioned after its CSE is scheduled whole where recomputes
 # were asked for, which only torch's budget knob does (a policy that recomputes is partitioned
 # without the CSE: Note [CSE under recompute] in passes/partition.py): Inductor fuses neighbouring
-# blocks' recomputes sideways there (Note [A schedule per block]). Inductor's own partition asks for none: min-cut
-# recomputes only fusible ops next to their readers, and its backward laid end to end block by
-# block equals the whole graph's schedule on transformers' Llama (4 and 6 x 256), Qwen2, GPT-2
+# blocks' recomputes sideways there (Note [A schedule per block]). Inductor's own partition asks
+# for none: min-cut recomputes only fusible ops next to their readers, and its backward laid end
+# to end block by block equals the whole graph's schedule on transformers' Llama (4 and 6 x 256), Qwen2, GPT-2
 # (SDPA), the sweep's BERT and ViT, and is over it on Mixtral (4 experts, top 2): backward peak
 # +1.2% at 4 x 256, +4.3% at 3 x 128 (2026-12-04; tests/test_inductor_memory.py holds it to 5%).
 # So it is scheduled per block: one whole-graph lowering fewer for `none` and for every budget,

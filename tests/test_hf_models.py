@@ -321,7 +321,7 @@ def _mixtral_lora(*, frozen_experts: bool):
 
 
 @pytest.mark.parametrize("frozen_experts", [True, False])
-def test_a_grouped_matmuls_unread_weight_gradient_is_not_computed_and_gradients_are_bitwise(frozen_experts):
+def test_a_grouped_matmuls_unread_weight_gradient_is_not_computed_and_gradients_are_bitwise(frozen_experts, monkeypatch):
     """Note [A grouped matmul's unread weight gradient]: with frozen experts the backward computes
     the experts' input gradients by the forward op (transformers' backward op is gone from it), the
     routed inputs are no longer saved for it, and gradients are bitwise those of aot_eager, which
@@ -354,12 +354,8 @@ def test_a_grouped_matmuls_unread_weight_gradient_is_not_computed_and_gradients_
     checkpointed, _, _ = saved_and_backward_ops(ckpt_fx.backend(policy="blocks", compiler="eager", strict=True))
     assert all(torch.equal(a, b) for a, b in zip(checkpointed, reference, strict=True))
     if frozen_experts:
-        real = passes.pipeline.grouped_mm_pass
-        passes.pipeline.grouped_mm_pass = lambda gm: 0
-        try:
-            _, saved_without, _ = saved_and_backward_ops(ckpt_fx.backend(policy="none", compiler="eager", strict=True))
-        finally:
-            passes.pipeline.grouped_mm_pass = real
+        monkeypatch.setattr(passes.pipeline, "grouped_mm_pass", lambda gm: 0)
+        _, saved_without, _ = saved_and_backward_ops(ckpt_fx.backend(policy="none", compiler="eager", strict=True))
         assert saved < saved_without, (saved, saved_without)
 
 
