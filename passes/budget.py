@@ -48,7 +48,8 @@ from passes.warn import BudgetWarning, warn_user
 # candidate's peak comes from the joint graph (JointLiveness), most saved first until one fits.
 # Under min-cut a peak needs the candidate partitioned and Inductor's schedule of it (seconds for
 # a large graph), so the cheapest fitting one is found by a search over the candidates that plans
-# few (interpolating on saved bytes, bisecting where that does not pay, next to a fitting one
+# few (the first the one the line through the baseline and torch's plan puts at the limit, then
+# interpolating on saved bytes, bisecting where that does not pay, next to a fitting one
 # that peaks near the limit planning the one before it), their peaks falling as
 # they save less (a search over peaks that do not fall may pick a costlier plan that fits, never
 # one that does not); torch's own plan at the same budget takes part (Note [Torch's knob as a
@@ -429,8 +430,13 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
 
     if found is None:
         limit = chooser.limit if chooser.ceiling is None else min(chooser.limit, chooser.ceiling)
-        found = _search(offered, plan, fits, base=base, limit=limit,
+        saved = lambda i: base.prediction.saved_bytes if i < 0 else offered[i].solution.saved_bytes  # noqa: E731
+        peak = lambda i: (base if i < 0 else plan(i)).prediction.peak_bytes  # noqa: E731
+        known = ((torch_plan.prediction.saved_bytes, torch_plan.prediction.peak_bytes),) if torch_plan is not None else ()
+        index = _search(len(offered), fits=fits, saved=saved, peak=peak, same=lambda i, j: plan(i) is plan(j),
+                        limit=limit, known=known,
                         affordable=_affordable(offered, gm, cost(knob)) if knob is not None else len(offered))
+        found = plan(index) if index is not None else None
     solvers = {id(p): name for p, name in planned.values()}
     if knob is not None and (found is None or cost(knob) < cost(found)):
         found = knob
@@ -447,34 +453,72 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
     return lowest_plan, choice, error
 
 
-def _search(offered: Candidates, plan: Callable[[int], Planned], fits: Callable[[int], bool], *, base: Planned,
-            limit: int, affordable: int) -> Planned | None:
-    """The cheapest of the first `affordable` candidates that fits, or None. The last of them is
-    planned first: when it fits, the cheapest is found between it and the baseline by interpolation
-    (_cheapest_fitting); when it does not and all are affordable, from the lowest found from the end
+def _search(count: int, *, affordable: int, fits: Callable[[int], bool], saved: Callable[[int], int],
+            peak: Callable[[int], int], same: Callable[[int, int], bool], limit: int,
+            known: tuple[tuple[int, int], ...] = ()) -> int | None:
+    """The position of the cheapest of the first `affordable` of `count` candidates that fits, or
+    None. `saved(i)`/`peak(i)`: candidate i's saved bytes and predicted peak (i = -1: the
+    baseline, which does not fit; a peak plans the candidate), `same(i, j)`: whether two positions
+    are one plan; `known`: (saved bytes, peak) of other plans judged (torch's), for aiming.
+    The first candidate planned is the one the line through the baseline and `known` puts nearest
+    the limit (_aimed); the last affordable one otherwise, or when that does not fit. Between one
+    that does not fit and one that does, the cheapest is found by interpolation
+    (_cheapest_fitting); when none fits and all are affordable, from the lowest found from the end
     (_lowest_from_the_end); when only some are, none of them fits (their peaks fall along them)."""
     if affordable <= 0:
         return None
-    end = affordable - 1
+    end, low = affordable - 1, -1
+    aimed = _aimed(end, saved=saved, peak=peak, limit=limit, known=known)
+    if aimed is not None and aimed < end:
+        if fits(aimed):
+            return _cheapest_fitting(-1, aimed, fits=fits, saved=saved, peak=peak, limit=limit, known=known)
+        low = aimed
     if not fits(end):
-        if affordable < len(offered):
+        if affordable < count:
             return None
-        end = _lowest_from_the_end(len(offered), plan)
+        end = _lowest_from_the_end(count, peak=peak, saved=saved, same=same)
         if not fits(end):
             return None
-    saved = lambda i: offered.base if i < 0 else offered[i].solution.saved_bytes  # noqa: E731
-    peak = lambda i: (base if i < 0 else plan(i)).prediction.peak_bytes  # noqa: E731
-    return plan(_cheapest_fitting(-1, end, fits=fits, saved=saved, peak=peak, limit=limit))
+        low = low if low < end else -1
+    return _cheapest_fitting(low, end, fits=fits, saved=saved, peak=peak, limit=limit, known=known)
+
+
+def _aimed(end: int, *, saved: Callable[[int], int], peak: Callable[[int], int], limit: int,
+           known: tuple[tuple[int, int], ...]) -> int | None:
+    """The candidate, of those up to `end`, whose saved bytes the line through the baseline (-1)
+    and the first of `known` puts nearest the limit; None without such a line (no known plan, or
+    one that saves no less or peaks no lower than the baseline)."""
+    if not known:
+        return None
+    (x_known, p_known), x_base, p_base = known[0], saved(-1), peak(-1)
+    if not (x_known < x_base and p_known < p_base):
+        return None
+    target = x_known + (limit - p_known) * (x_base - x_known) / (p_base - p_known)
+    return _nearest(0, end, target, saved=saved)
+
+
+def _nearest(lo: int, hi: int, target: float, *, saved: Callable[[int], int]) -> int:
+    """The candidate in [lo, hi] whose saved bytes are nearest `target` (they fall along the
+    candidates): the first saving no more than it, or the one before that when nearer."""
+    first, last = lo, hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if saved(mid) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo - 1 if lo - 1 >= first and saved(lo - 1) - target < target - saved(lo) else min(lo, last)
 
 
 def _cheapest_fitting(low: int, high: int, *, fits: Callable[[int], bool], saved: Callable[[int], int],
-                      peak: Callable[[int], int], limit: int) -> int:
+                      peak: Callable[[int], int], limit: int, known: tuple[tuple[int, int], ...] = ()) -> int:
     """The first candidate that fits between `low` (does not fit; -1: the baseline) and `high`
     (fits). A candidate's peak falls about linearly with the bytes it saves, so each step plans the
-    one whose saved bytes the line through the two ends puts nearest the limit; once a fitting one
-    peaks within NEAR of the limit, the one before it (saving more) is planned next, as it most
-    likely decides (not twice in a row); and a step that did not halve the interval is followed by
-    a halving (a curve far from a line): a bisection's answer, in fewer plans."""
+    one whose saved bytes the line through the two ends puts nearest the limit (through a `known`
+    plan's point between them and the end on the limit's other side, where there is one); once a
+    fitting one peaks within NEAR of the limit, the one before it (saving more) is planned next, as
+    it most likely decides (not twice in a row); and a step that did not halve the interval is
+    followed by a halving (a curve far from a line): a bisection's answer, in fewer plans."""
     halve = stepped = False
     while high - low > 1:
         middle = (low + high) // 2
@@ -483,17 +527,15 @@ def _cheapest_fitting(low: int, high: int, *, fits: Callable[[int], bool], saved
             middle = high - 1
         elif not halve:
             x_low, x_high, p_low, p_high = saved(low), saved(high), peak(low), peak(high)
+            for x, p in known:
+                if x_high < x < x_low and p_high < p < p_low:
+                    if p <= limit:
+                        x_high, p_high = x, p
+                    else:
+                        x_low, p_low = x, p
             if p_low > p_high and x_low > x_high:
                 target = x_high + (limit - p_high) * (x_low - x_high) / (p_low - p_high)
-                lo, hi = low + 1, high - 1  # the first candidate in (low, high) saving no more than target
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if saved(mid) <= target:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                # or the one before it, when that one's saved bytes are nearer the target
-                middle = lo - 1 if lo - 1 > low and saved(lo - 1) - target < target - saved(lo) else lo
+                middle = _nearest(low + 1, high - 1, target, saved=saved)
         width = high - low
         stepped = step
         if fits(middle):
@@ -536,20 +578,19 @@ def _choice_of(chooser: Chooser, planned: Planned, cost: float, *, knob: Planned
     return chooser.choice(planned.prediction.peak_bytes, cost=cost, source=source, solver=solver, reached=reached)
 
 
-def _lowest_from_the_end(count: int, plan: Callable[[int], Planned]) -> int:
+def _lowest_from_the_end(count: int, *, peak: Callable[[int], int], saved: Callable[[int], int],
+                         same: Callable[[int, int], bool]) -> int:
     """The candidate of lowest predicted peak, looked for from the one that saves least towards
     those that save more while the peak does not rise by more than PLATEAU (past the lowest, a
     plan that saves less can peak higher: it rebuilds more at once), at most LOWEST_SEARCH distinct
-    plans; returns its position (of those as low, the one that saves most: the cheapest)."""
-
-    def peak(i: int) -> int:
-        return plan(i).prediction.peak_bytes
-
-    best = count - 1
+    plans, passing over those that save less than NEIGHBOUR more than the last one planned (a
+    few small values apart: about its peak); returns its position (of those as low, the one that
+    saves most: the cheapest)."""
+    best = last = count - 1
     tried, i = 1, best - 1
     while i >= 0 and tried < LOWEST_SEARCH:
-        if plan(i) is not plan(best):  # else the same plan at another grid point
-            tried += 1
+        if saved(i) >= (1 + NEIGHBOUR) * saved(last) and not same(i, best):
+            tried, last = tried + 1, i
             if peak(i) > (1 + PLATEAU) * peak(best):
                 break
             if peak(i) <= peak(best):
@@ -561,6 +602,8 @@ def _lowest_from_the_end(count: int, plan: Callable[[int], Planned]) -> int:
 LOWEST_SEARCH = 6
 """Distinct plans _lowest_from_the_end partitions at most, each costing a partition and
 Inductor's schedule."""
+NEIGHBOUR = 0.05
+"""How much more a candidate must save than the last one _lowest_from_the_end planned to be planned."""
 PLATEAU = 0.01
 
 

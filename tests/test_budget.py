@@ -275,6 +275,64 @@ def test_the_search_finds_the_first_candidate_that_fits_in_few_plans(data):
         assert len(planned) <= max(1, math.ceil(math.log2(count + 1))) + 1
 
 
+@given(st.data())
+def test_the_search_aimed_by_torchs_plan_finds_the_first_affordable_candidate_that_fits(data):
+    """With torch's plan's point known (on the curve or off it), the search returns the first of
+    the affordable candidates that fits, or None when none of them does."""
+    count = data.draw(st.integers(2, 30), label="candidates")
+    saved = sorted(data.draw(st.lists(st.integers(1, 10**6), min_size=count, max_size=count, unique=True)), reverse=True)
+    drops = data.draw(st.lists(st.integers(0, 10**5), min_size=count, max_size=count))
+    peaks = [sum(drops[i:]) for i in range(count)]
+    base_saved, base_peak = saved[0] + 1, peaks[0] + 1
+    known = ((data.draw(st.integers(0, base_saved), label="torch's saved"),
+              data.draw(st.integers(0, base_peak + 10), label="torch's peak")),)
+    limit = data.draw(st.integers(0, base_peak - 1), label="limit")
+    affordable = data.draw(st.integers(0, count), label="affordable")
+
+    found = budget_module._search(
+        count, affordable=affordable, fits=lambda i: peaks[i] <= limit, saved=lambda i: base_saved if i < 0 else saved[i],
+        peak=lambda i: base_peak if i < 0 else peaks[i], same=lambda i, j: i == j, limit=limit, known=known)
+    assert found == next((i for i in range(affordable) if peaks[i] <= limit), None)
+
+
+def test_torchs_plan_aims_the_search_at_the_limit():
+    """Saved bytes (MB, as each candidate's solution counts them) and predicted peaks of the
+    candidates `budget:0.5` offers on transformers' Llama 6 x 256 (SDPA, GQA, batch 2 x 512), and
+    torch's plan at 0.5 (80.7 MB saved, 116.8 MB peak; the limit 99.0): peaks measured by the
+    search there, the rest interpolated. Aimed by the line through the baseline and torch's plan,
+    the search finds the first that fits (63.0 MB saved) in three plans; planning the candidate
+    that saves least first, as without torch's plan, it takes four."""
+    saved = [199.3, 168.9, 143.7, 121.7, 103.9, 88.1, 74.5, 63.0, 53.5, 45.8, 39.0, 33.2, 28.0, 23.8, 20.1,
+             17.4, 14.8, 12.1, 10.6] + [10.5] * 11
+    known = [(10.5, 79.6), (12.1, 79.6), (14.8, 81.7), (53.5, 92.3), (63.0, 97.5), (74.5, 107.5), (103.9, 124.8),
+             (121.7, 130.0), (143.7, 139.5), (159.5, 167.6)]
+
+    def peak_at(s: float) -> float:
+        if s >= known[-1][0]:
+            return known[-1][1]
+        (x0, y0), (x1, y1) = next((a, b) for a, b in zip(known, known[1:]) if a[0] <= s <= b[0])
+        return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+
+    def search(torch_plan: tuple[tuple[float, float], ...]) -> tuple[int | None, list[int]]:
+        planned = []
+
+        def fits(i: int) -> bool:
+            planned.append(i)
+            return peak_at(saved[i]) <= 99.0
+
+        found = budget_module._search(
+            len(saved), affordable=len(saved), fits=fits, saved=lambda i: 159.5 if i < 0 else saved[i],
+            peak=lambda i: 167.6 if i < 0 else peak_at(saved[i]), same=lambda i, j: saved[i] == saved[j],
+            limit=99.0, known=torch_plan)
+        return found, planned
+
+    aimed, aimed_plans = search(((80.7, 116.8),))
+    unaimed, unaimed_plans = search(())
+    assert saved[aimed] == saved[unaimed] == 63.0
+    assert [saved[i] for i in aimed_plans] == [53.5, 63.0, 74.5]
+    assert len(unaimed_plans) == 4 and saved[unaimed_plans[0]] == 10.5
+
+
 def test_the_search_plans_the_neighbour_of_a_candidate_near_the_limit():
     """Saved bytes (MiB) and predicted peaks of the candidates `budget:0.5` offers on transformers'
     Llama 6 x 256 (SDPA, GQA, batch 2 x 512; peaks measured by the search there, the rest
