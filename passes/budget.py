@@ -432,9 +432,9 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
         limit = chooser.limit if chooser.ceiling is None else min(chooser.limit, chooser.ceiling)
         saved = lambda i: base.prediction.saved_bytes if i < 0 else offered[i].solution.saved_bytes  # noqa: E731
         peak = lambda i: (base if i < 0 else plan(i)).prediction.peak_bytes  # noqa: E731
-        known = ((torch_plan.prediction.saved_bytes, torch_plan.prediction.peak_bytes),) if torch_plan is not None else ()
+        point = (torch_plan.prediction.saved_bytes, torch_plan.prediction.peak_bytes) if torch_plan is not None else None
         index = _search(len(offered), fits=fits, saved=saved, peak=peak, same=lambda i, j: plan(i) is plan(j),
-                        limit=limit, known=known,
+                        limit=limit, torch_point=point,
                         affordable=_affordable(offered, gm, cost(knob)) if knob is not None else len(offered))
         found = plan(index) if index is not None else None
     solvers = {id(p): name for p, name in planned.values()}
@@ -455,12 +455,12 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
 
 def _search(count: int, *, affordable: int, fits: Callable[[int], bool], saved: Callable[[int], int],
             peak: Callable[[int], int], same: Callable[[int, int], bool], limit: int,
-            known: tuple[tuple[int, int], ...] = ()) -> int | None:
+            torch_point: tuple[int, int] | None = None) -> int | None:
     """The position of the cheapest of the first `affordable` of `count` candidates that fits, or
     None. `saved(i)`/`peak(i)`: candidate i's saved bytes and predicted peak (i = -1: the
     baseline, which does not fit; a peak plans the candidate), `same(i, j)`: whether two positions
-    are one plan; `known`: (saved bytes, peak) of other plans judged (torch's), for aiming.
-    The first candidate planned is the one the line through the baseline and `known` puts nearest
+    are one plan; `torch_point`: torch's plan's saved bytes and peak, for aiming.
+    The first candidate planned is the one the line through the baseline and torch's plan puts nearest
     the limit (_aimed); the last affordable one otherwise, or when that does not fit. Between one
     that does not fit and one that does, the cheapest is found by interpolation
     (_cheapest_fitting); when none fits and all are affordable, from the lowest found from the end
@@ -468,10 +468,10 @@ def _search(count: int, *, affordable: int, fits: Callable[[int], bool], saved: 
     if affordable <= 0:
         return None
     end, low = affordable - 1, -1
-    aimed = _aimed(end, saved=saved, peak=peak, limit=limit, known=known)
+    aimed = _aimed(end, saved=saved, peak=peak, limit=limit, torch_point=torch_point)
     if aimed is not None and aimed < end:
         if fits(aimed):
-            return _cheapest_fitting(-1, aimed, fits=fits, saved=saved, peak=peak, limit=limit, known=known)
+            return _cheapest_fitting(-1, aimed, fits=fits, saved=saved, peak=peak, limit=limit, torch_point=torch_point)
         low = aimed
     if not fits(end):
         if affordable < count:
@@ -480,20 +480,20 @@ def _search(count: int, *, affordable: int, fits: Callable[[int], bool], saved: 
         if not fits(end):
             return None
         low = low if low < end else -1
-    return _cheapest_fitting(low, end, fits=fits, saved=saved, peak=peak, limit=limit, known=known)
+    return _cheapest_fitting(low, end, fits=fits, saved=saved, peak=peak, limit=limit, torch_point=torch_point)
 
 
 def _aimed(end: int, *, saved: Callable[[int], int], peak: Callable[[int], int], limit: int,
-           known: tuple[tuple[int, int], ...]) -> int | None:
+           torch_point: tuple[int, int] | None) -> int | None:
     """The candidate, of those up to `end`, whose saved bytes the line through the baseline (-1)
-    and the first of `known` puts nearest the limit; None without such a line (no known plan, or
-    one that saves no less or peaks no lower than the baseline)."""
-    if not known:
+    and torch's plan puts nearest the limit; None without such a line (no plan of torch's, or one
+    that saves no less or peaks no lower than the baseline)."""
+    if torch_point is None:
         return None
-    (x_known, p_known), x_base, p_base = known[0], saved(-1), peak(-1)
-    if not (x_known < x_base and p_known < p_base):
+    (x_torch, p_torch), x_base, p_base = torch_point, saved(-1), peak(-1)
+    if not (x_torch < x_base and p_torch < p_base):
         return None
-    target = x_known + (limit - p_known) * (x_base - x_known) / (p_base - p_known)
+    target = x_torch + (limit - p_torch) * (x_base - x_torch) / (p_base - p_torch)
     return _nearest(0, end, target, saved=saved)
 
 
@@ -511,10 +511,10 @@ def _nearest(lo: int, hi: int, target: float, *, saved: Callable[[int], int]) ->
 
 
 def _cheapest_fitting(low: int, high: int, *, fits: Callable[[int], bool], saved: Callable[[int], int],
-                      peak: Callable[[int], int], limit: int, known: tuple[tuple[int, int], ...] = ()) -> int:
+                      peak: Callable[[int], int], limit: int, torch_point: tuple[int, int] | None = None) -> int:
     """The first candidate that fits between `low` (does not fit; -1: the baseline) and `high`
     (fits). A candidate's peak falls about linearly with the bytes it saves, so each step plans the
-    one whose saved bytes the line through the two ends puts nearest the limit (through a `known`
+    one whose saved bytes the line through the two ends puts nearest the limit (through torch's
     plan's point between them and the end on the limit's other side, where there is one); once a
     fitting one peaks within NEAR of the limit, the one before it (saving more) is planned next, as
     it most likely decides (not twice in a row); and a step that did not halve the interval is
@@ -527,7 +527,8 @@ def _cheapest_fitting(low: int, high: int, *, fits: Callable[[int], bool], saved
             middle = high - 1
         elif not halve:
             x_low, x_high, p_low, p_high = saved(low), saved(high), peak(low), peak(high)
-            for x, p in known:
+            if torch_point is not None:
+                x, p = torch_point
                 if x_high < x < x_low and p_high < p < p_low:
                     if p <= limit:
                         x_high, p_high = x, p

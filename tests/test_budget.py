@@ -284,14 +284,14 @@ def test_the_search_aimed_by_torchs_plan_finds_the_first_affordable_candidate_th
     drops = data.draw(st.lists(st.integers(0, 10**5), min_size=count, max_size=count))
     peaks = [sum(drops[i:]) for i in range(count)]
     base_saved, base_peak = saved[0] + 1, peaks[0] + 1
-    known = ((data.draw(st.integers(0, base_saved), label="torch's saved"),
-              data.draw(st.integers(0, base_peak + 10), label="torch's peak")),)
+    point = (data.draw(st.integers(0, base_saved), label="torch's saved"),
+             data.draw(st.integers(0, base_peak + 10), label="torch's peak"))
     limit = data.draw(st.integers(0, base_peak - 1), label="limit")
     affordable = data.draw(st.integers(0, count), label="affordable")
 
     found = budget_module._search(
         count, affordable=affordable, fits=lambda i: peaks[i] <= limit, saved=lambda i: base_saved if i < 0 else saved[i],
-        peak=lambda i: base_peak if i < 0 else peaks[i], same=lambda i, j: i == j, limit=limit, known=known)
+        peak=lambda i: base_peak if i < 0 else peaks[i], same=lambda i, j: i == j, limit=limit, torch_point=point)
     assert found == next((i for i in range(affordable) if peaks[i] <= limit), None)
 
 
@@ -313,7 +313,7 @@ def test_torchs_plan_aims_the_search_at_the_limit():
         (x0, y0), (x1, y1) = next((a, b) for a, b in zip(known, known[1:]) if a[0] <= s <= b[0])
         return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
 
-    def search(torch_plan: tuple[tuple[float, float], ...]) -> tuple[int | None, list[int]]:
+    def search(torch_point: tuple[float, float] | None) -> tuple[int | None, list[int]]:
         planned = []
 
         def fits(i: int) -> bool:
@@ -323,11 +323,11 @@ def test_torchs_plan_aims_the_search_at_the_limit():
         found = budget_module._search(
             len(saved), affordable=len(saved), fits=fits, saved=lambda i: 159.5 if i < 0 else saved[i],
             peak=lambda i: 167.6 if i < 0 else peak_at(saved[i]), same=lambda i, j: saved[i] == saved[j],
-            limit=99.0, known=torch_plan)
+            limit=99.0, torch_point=torch_point)
         return found, planned
 
-    aimed, aimed_plans = search(((80.7, 116.8),))
-    unaimed, unaimed_plans = search(())
+    aimed, aimed_plans = search((80.7, 116.8))
+    unaimed, unaimed_plans = search(None)
     assert saved[aimed] == saved[unaimed] == 63.0
     assert [saved[i] for i in aimed_plans] == [53.5, 63.0, 74.5]
     assert len(unaimed_plans) == 4 and saved[unaimed_plans[0]] == 10.5
