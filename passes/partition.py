@@ -42,13 +42,23 @@ def partition_pass(
         raise ValueError(f"unknown partitioner {partitioner!r}; valid: {', '.join(PARTITIONERS)}")
     split = min_cut_partition if partitioner == "min_cut" else default_partition
     merge = merges_joint(joint, partitioner=partitioner)
-    with without_joint_cse() if merge is False else contextlib.nullcontext():
-        return split(
+    # A joint graph min-cut merged before needs no second CSE: no two of its nodes are alike.
+    with without_joint_cse() if merge is False or joint.meta.get(MERGED_KEY) else contextlib.nullcontext():
+        fw, bw = split(
             joint,
             joint_inputs,
             num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices,
         )
+    if merge:
+        joint.meta[MERGED_KEY] = True
+    return fw, bw
+
+
+MERGED_KEY = "ckpt_fx_merged"
+"""The joint GraphModule's meta key saying min-cut's CSE has merged its identical nodes (its graph
+is CSE's copy): a later partition skips the CSE, which finds nothing more to merge."""
+
 
 def recomputes(joint: torch.fx.GraphModule) -> bool:
     """Whether select_pass marked any node of the joint graph for recompute."""
