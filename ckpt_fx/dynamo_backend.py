@@ -32,6 +32,7 @@ from passes.policy import BudgetSpec, NamedPolicy, matches_path, uses_blocks
 from passes.regions import PATH_KEY
 from passes.sizes import format_size
 from passes.select import REASON_KEY
+from passes.steps import without_full_collections
 from passes.warn import warn_user
 
 log = logging.getLogger("ckpt_fx")
@@ -189,18 +190,19 @@ class CkptBackend:
         debug = self.options.debug
         folder = pathlib.Path(self.options.debug_dir) / f"graph_{self._graphs:03d}" if debug else None
         try:
-            fw, bw, plan = pipeline.run(
-                joint,
-                joint_inputs,
-                policy=self.options.policy,
-                policy_name=name,
-                num_fwd_outputs=kwargs["num_fwd_outputs"],
-                static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
-                partitioner=self.partitioner,
-                strict=self.options.strict,
-                dump=_dumper(folder) if folder is not None else None,
-                device=self.device,
-            )
+            with without_full_collections():  # Note [Collections while planning] in passes/steps.py
+                fw, bw, plan = pipeline.run(
+                    joint,
+                    joint_inputs,
+                    policy=self.options.policy,
+                    policy_name=name,
+                    num_fwd_outputs=kwargs["num_fwd_outputs"],
+                    static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+                    partitioner=self.partitioner,
+                    strict=self.options.strict,
+                    dump=_dumper(folder) if folder is not None else None,
+                    device=self.device,
+                )
             if debug:
                 fw, bw = debug_checks_pass(fw, bw, recomputed=set(plan.recomputed), values=debug == "values")
                 log.info("ckpt_fx debug: graphs of each pass in %s", folder)

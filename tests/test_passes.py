@@ -448,3 +448,22 @@ def test_a_joint_graph_min_cut_merged_is_partitioned_alike_without_merging_again
     assert (skipped[2], merged[2]) == (0, 1)
     assert skipped[:2] == merged[:2]
 
+
+def test_planning_holds_full_collections_and_gives_the_thresholds_back():
+    """Note [Collections while planning]: inside, the oldest generation waits; after, even after an
+    error, the collector's thresholds are the process's own; with the collector off, nothing changes."""
+    import gc
+
+    from passes.steps import FULL_COLLECTIONS_HELD, without_full_collections
+
+    before = gc.get_threshold()
+    with pytest.raises(ValueError, match="planning failed"), without_full_collections():
+        assert gc.get_threshold() == (*before[:2], FULL_COLLECTIONS_HELD)
+        raise ValueError("planning failed")
+    assert gc.get_threshold() == before
+    gc.disable()
+    try:
+        with without_full_collections():
+            assert gc.get_threshold() == before
+    finally:
+        gc.enable()
