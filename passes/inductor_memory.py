@@ -523,12 +523,12 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
             i for i, n in enumerate(inputs)
             if is_backward and all(segment_of.get(u) == index for u in n.users)
             and (n.name in donated_names or (n.op != "placeholder" and n not in graph_outputs)))
-        sub, key = _segment_module(members, inputs, outs, is_backward=is_backward, donated=gives)
-        key = config + key
+        key = config + _segment_key(members, inputs, outs, is_backward=is_backward, donated=gives)
         result = _SEGMENT_SCHEDULES.get(key)
         if result is None:
             # By position, not name: an alike segment elsewhere has inputs of other names.
-            steps, local, local_end, returned, kinds, strides = _schedule(sub, is_backward=is_backward, donated=gives)
+            steps, local, local_end, returned, kinds, strides = _schedule(
+                _segment_module(members, inputs, outs), is_backward=is_backward, donated=gives)
             position = {n.name: i for i, n in enumerate(inputs)}
             result = (steps, local, {position[k]: v for k, v in local_end.items() if k in position},
                       [f"p{position[r]}" if isinstance(r, str) and r in position else r for r in returned], kinds, strides)
@@ -691,14 +691,11 @@ def _segments(compute: list[torch.fx.Node], label, *, shared, is_backward: bool)
     return segments
 
 
-def _segment_module(members: list[torch.fx.Node], inputs: list[torch.fx.Node], outs: list[torch.fx.Node], *,
-                    is_backward: bool, donated: tuple[int, ...]) -> tuple[torch.fx.GraphModule, str]:
-    """A graph module of one segment (its inputs as placeholders of the same names) and a key equal
-    for segments of the same structure, shapes and donated inputs."""
-
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    number: dict[torch.fx.Node, str] = {}
+def _segment_key(members: list[torch.fx.Node], inputs: list[torch.fx.Node], outs: list[torch.fx.Node], *,
+                 is_backward: bool, donated: tuple[int, ...]) -> str:
+    """A key equal for segments of the same structure, shapes and donated inputs: its nodes by
+    position, not name (an alike segment elsewhere has nodes of other names)."""
+    number = {n: f"p{i}" for i, n in enumerate(inputs)} | {n: f"n{i}" for i, n in enumerate(members)}
 
     def describe(value: object) -> object:
         if isinstance(value, torch.fx.Node):
@@ -712,19 +709,26 @@ def _segment_module(members: list[torch.fx.Node], inputs: list[torch.fx.Node], o
             return tuple((k, describe(v)) for k, v in value.items())
         return repr(value)
 
-    for i, n in enumerate(inputs):
-        env[n] = graph.placeholder(n.name)
-        env[n].meta = dict(n.meta)
-        number[n] = f"p{i}"
     body = []
-    for i, n in enumerate(members):
-        env[n] = graph.node_copy(n, lambda a: env[a])
-        number[n] = f"n{i}"
+    for n in members:
         # Which of the step's seeds a block's dropout reads is a scalar index into one tensor: it
         # changes no buffer, so blocks differing only there share a schedule.
         args = n.args[:1] if str(n.target) == "prims.inductor_lookup_seed.default" else n.args
         body.append((str(n.target), describe(args), describe(n.kwargs), describe(n.meta.get("val"))))
+    return repr((is_backward, donated, tuple(describe(n.meta.get("val")) for n in inputs), tuple(body),
+                 tuple(number[n] for n in outs)))
+
+
+def _segment_module(members: list[torch.fx.Node], inputs: list[torch.fx.Node],
+                    outs: list[torch.fx.Node]) -> torch.fx.GraphModule:
+    """A graph module of one segment, its inputs as placeholders of the same names; built only for
+    a segment whose key (_segment_key) has no schedule yet."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in inputs:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in members:
+        env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[n] for n in outs))
-    key = repr((is_backward, donated, tuple(describe(n.meta.get("val")) for n in inputs), tuple(body),
-                tuple(number[n] for n in outs)))
-    return torch.fx.GraphModule(torch.nn.Module(), graph), key
+    return torch.fx.GraphModule(torch.nn.Module(), graph)

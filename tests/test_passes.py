@@ -358,7 +358,7 @@ def test_alike_blocks_share_a_schedule_whatever_seed_their_dropout_reads():
     """Note [A schedule per block]: two blocks whose dropout reads another of the step's seeds
     (an index into one tensor) are lowered once; a block of another shape is not."""
     import torch._inductor.lowering  # noqa: F401 - registers Inductor's random prims
-    from passes.inductor_memory import _segment_module
+    from passes.inductor_memory import _segment_key
 
     def block(index: int, rows: int):
         nodes = {}
@@ -375,7 +375,7 @@ def test_alike_blocks_share_a_schedule_whatever_seed_their_dropout_reads():
             nodes.update(inputs=[seeds, x], members=[seed, mask, out], outs=[out])
 
         _graph(build)
-        return _segment_module(nodes["members"], nodes["inputs"], nodes["outs"], is_backward=False, donated=())[1]
+        return _segment_key(nodes["members"], nodes["inputs"], nodes["outs"], is_backward=False, donated=())
 
     assert block(0, 4) == block(1, 4)
     assert block(0, 4) != block(0, 6)
