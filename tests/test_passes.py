@@ -429,7 +429,7 @@ def test_a_joint_graph_min_cut_merged_is_partitioned_alike_without_merging_again
     joint, joint_inputs, kw = joints[0]
     merges = []
     real = partitioners.fx_graph_cse
-    monkeypatch.setattr(partitioners, "fx_graph_cse", lambda graph: merges.append(1) or real(graph))
+    monkeypatch.setattr(partitioners, "fx_graph_cse", lambda graph, **kw: merges.append(1) or real(graph, **kw))
 
     def torch_plan_after_inductors_own(merge_again: bool) -> tuple[str, str, int]:
         gm = copy_graph_module(joint)
