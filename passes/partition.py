@@ -42,7 +42,7 @@ def partition_pass(
         raise ValueError(f"unknown partitioner {partitioner!r}; valid: {', '.join(PARTITIONERS)}")
     split = min_cut_partition if partitioner == "min_cut" else default_partition
     merge = merges_joint(joint, partitioner=partitioner)
-    # A joint graph min-cut merged before needs no second CSE: no two of its nodes are alike.
+    # A joint graph min-cut merged before needs no second CSE: it would find nothing more to merge.
     with without_joint_cse() if merge is False or joint.meta.get(MERGED_KEY) else contextlib.nullcontext():
         fw, bw = split(
             joint,
