@@ -1,5 +1,6 @@
 """steps: run a pass under its name: a failure names the pass, its time is logged, and in debug
-runs its graph is dumped before and after."""
+runs its graph is dumped before and after; and the garbage collector's full collections held
+while the passes run (without_full_collections)."""
 
 from __future__ import annotations
 
