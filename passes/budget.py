@@ -461,7 +461,8 @@ def _search(count: int, *, affordable: int, fits: Callable[[int], bool], saved: 
     baseline, which does not fit; a peak plans the candidate), `same(i, j)`: whether two positions
     are one plan; `torch_point`: torch's plan's saved bytes and peak, for aiming.
     The first candidate planned is the one the line through the baseline and torch's plan puts nearest
-    the limit (_aimed); the last affordable one otherwise, or when that does not fit. Between one
+    the limit (_aimed); when that misses the limit by less than NEAR, the one after it, which fits
+    most likely and then is the first that does; the last affordable one otherwise. Between one
     that does not fit and one that does, the cheapest is found by interpolation
     (_cheapest_fitting); when none fits and all are affordable, from the lowest found from the end
     (_lowest_from_the_end); when only some are, none of them fits (their peaks fall along them)."""
@@ -473,6 +474,11 @@ def _search(count: int, *, affordable: int, fits: Callable[[int], bool], saved: 
         if fits(aimed):
             return _cheapest_fitting(-1, aimed, fits=fits, saved=saved, peak=peak, limit=limit, torch_point=torch_point)
         low = aimed
+        if peak(aimed) <= (1 + NEAR) * limit and not same(aimed, aimed + 1):
+            # Missed by a little: the next one (saving less) most likely fits, and then decides.
+            if fits(aimed + 1):
+                return aimed + 1
+            low = aimed + 1
     if not fits(end):
         if affordable < count:
             return None

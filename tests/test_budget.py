@@ -333,6 +333,37 @@ def test_torchs_plan_aims_the_search_at_the_limit():
     assert len(unaimed_plans) == 4 and saved[unaimed_plans[0]] == 10.5
 
 
+def test_a_candidate_aimed_just_over_the_limit_is_followed_by_its_neighbour():
+    """Saved bytes (MB) of the candidates `budget:0.7` offers on transformers' Qwen2 4 x 256 (SDPA,
+    GQA, batch 2 x 512), peaks measured by the search there (8.1, 44.8 and 52.7 MB saved), the rest
+    interpolated towards the baseline's (92.3 MB saved, 100.5 peak); torch's plan at 0.7: 61.9 MB
+    saved, 82.5 peak; the limit 75.7. The line through the baseline and torch's plan aims at the
+    candidate saving 52.7 MB, which peaks 1% over the limit: the one after it (44.8 MB, 67.8) is
+    planned next, fits, and is the answer, in two plans (the candidate that saves least was
+    planned second before, for three)."""
+    saved = [119.3, 100.9, 85.7, 73.2, 62.1, 52.7, 44.8, 38.0, 32.3, 27.5, 23.4, 19.8, 16.6, 14.3, 12.2, 10.3, 8.7] + [8.1] * 13
+    known = [(8.1, 58.6), (44.8, 67.8), (52.7, 76.5), (92.3, 100.5)]
+
+    def peak_at(s: float) -> float:
+        if s >= known[-1][0]:
+            return known[-1][1] + s - known[-1][0]
+        (x0, y0), (x1, y1) = next((a, b) for a, b in zip(known, known[1:]) if a[0] <= s <= b[0])
+        return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+
+    planned = []
+
+    def fits(i: int) -> bool:
+        planned.append(saved[i])
+        return peak_at(saved[i]) <= 75.7
+
+    found = budget_module._search(
+        len(saved), affordable=len(saved), fits=fits, saved=lambda i: 92.3 if i < 0 else saved[i],
+        peak=lambda i: 100.5 if i < 0 else peak_at(saved[i]), same=lambda i, j: saved[i] == saved[j],
+        limit=75.7, torch_point=(61.9, 82.5))
+    assert saved[found] == 44.8
+    assert planned == [52.7, 44.8]
+
+
 def test_the_search_plans_the_neighbour_of_a_candidate_near_the_limit():
     """Saved bytes (MiB) and predicted peaks of the candidates `budget:0.5` offers on transformers'
     Llama 6 x 256 (SDPA, GQA, batch 2 x 512; peaks measured by the search there, the rest
