@@ -295,6 +295,12 @@ def test_the_search_aimed_by_torchs_plan_finds_the_first_affordable_candidate_th
     assert found == next((i for i in range(affordable) if peaks[i] <= limit), None)
 
 
+def _between(known: list[tuple[float, float]], s: float) -> float:
+    """The peak at saved bytes `s` on the line between the measured (saved, peak) points around it."""
+    (x0, y0), (x1, y1) = next((a, b) for a, b in zip(known, known[1:]) if a[0] <= s <= b[0])
+    return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+
+
 def test_torchs_plan_aims_the_search_at_the_limit():
     """Saved bytes (MB, as each candidate's solution counts them) and predicted peaks of the
     candidates `budget:0.5` offers on transformers' Llama 6 x 256 (SDPA, GQA, batch 2 x 512), and
@@ -310,8 +316,7 @@ def test_torchs_plan_aims_the_search_at_the_limit():
     def peak_at(s: float) -> float:
         if s >= known[-1][0]:
             return known[-1][1]
-        (x0, y0), (x1, y1) = next((a, b) for a, b in zip(known, known[1:]) if a[0] <= s <= b[0])
-        return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+        return _between(known, s)
 
     def search(torch_point: tuple[float, float] | None) -> tuple[int | None, list[int]]:
         planned = []
@@ -347,8 +352,7 @@ def test_a_candidate_aimed_just_over_the_limit_is_followed_by_its_neighbour():
     def peak_at(s: float) -> float:
         if s >= known[-1][0]:
             return known[-1][1] + s - known[-1][0]
-        (x0, y0), (x1, y1) = next((a, b) for a, b in zip(known, known[1:]) if a[0] <= s <= b[0])
-        return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+        return _between(known, s)
 
     planned = []
 
@@ -373,8 +377,7 @@ def test_the_search_plans_the_neighbour_of_a_candidate_near_the_limit():
     known = [(10.0, 75.9), (43.7, 86.5), (51.1, 88.0), (60.1, 93.0), (71.1, 102.5), (84.1, 104.0), (116.1, 124.0), (190.1, 159.9)]
 
     def peak_at(s: float) -> float:
-        (x0, y0), (x1, y1) = next((a, b) for a, b in zip(known, known[1:]) if a[0] <= s <= b[0])
-        return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+        return _between(known, s)
 
     peaks = [peak_at(s) for s in saved]
     planned = []
