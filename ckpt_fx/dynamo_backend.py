@@ -32,7 +32,7 @@ from passes.policy import BudgetSpec, NamedPolicy, matches_path, uses_blocks
 from passes.regions import PATH_KEY
 from passes.sizes import format_size
 from passes.select import REASON_KEY
-from passes.steps import without_full_collections
+from passes.steps import on_a_fresh_stack, without_full_collections
 from passes.warn import warn_user
 
 log = logging.getLogger("ckpt_fx")
@@ -190,8 +190,10 @@ class CkptBackend:
         debug = self.options.debug
         folder = pathlib.Path(self.options.debug_dir) / f"graph_{self._graphs:03d}" if debug else None
         try:
-            with without_full_collections():  # Note [Collections while planning] in passes/steps.py
-                fw, bw, plan = pipeline.run(
+            # Note [Collections while planning] and Note [Compiling on a fresh stack chunk] in
+            # passes/steps.py (the latter again for rewrite_graph, which calls no backend).
+            with without_full_collections():
+                fw, bw, plan = on_a_fresh_stack(lambda: pipeline.run(
                     joint,
                     joint_inputs,
                     policy=self.options.policy,
@@ -202,7 +204,7 @@ class CkptBackend:
                     strict=self.options.strict,
                     dump=_dumper(folder) if folder is not None else None,
                     device=self.device,
-                )
+                ))
             if debug:
                 fw, bw = debug_checks_pass(fw, bw, recomputed=set(plan.recomputed), values=debug == "values")
                 log.info("ckpt_fx debug: graphs of each pass in %s", folder)
@@ -340,14 +342,15 @@ class CkptBackend:
         planned = len(self.plans)
         if self.options.compiler == "inductor":
             compile_fn = inductor_with_partitioner(self.partition, self.cache_key(), kernels=self.kernels)
-            compiled = compile_fn(gm, example_inputs)
         else:
-            compiled = aot_autograd(
+            compile_fn = aot_autograd(
                 fw_compiler=boxed_nop,
                 bw_compiler=boxed_nop,
                 partition_fn=self.partition,
                 keep_inference_input_mutations=True,
-            )(gm, example_inputs)
+            )
+        # Note [Compiling on a fresh stack chunk] in passes/steps.py
+        compiled = on_a_fresh_stack(lambda: compile_fn(gm, example_inputs))
         if not self._count_runs or len(self.plans) != planned + 1:
             return compiled
         return _counted(compiled, self.runs, planned)

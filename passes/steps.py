@@ -1,12 +1,14 @@
 """steps: run a pass under its name: a failure names the pass, its time is logged, and in debug
 runs its graph is dumped before and after; and the garbage collector's full collections held
-while the passes run (without_full_collections)."""
+while the passes run (without_full_collections); and a graph's compile run from a fresh chunk of
+the interpreter's frame stack (on_a_fresh_stack)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -87,3 +89,43 @@ FULL_COLLECTIONS_HELD = 1_000_000
 # and 1.54x in two pairs of runs (the README's compile-time table); at 6 blocks the change is
 # within the machine's drift. The price is host memory: the process's peak resident set after that
 # 24-block compile and one step was 1459 MB, against 1331 MB with full collections as usual.
+
+
+def on_a_fresh_stack(fn: Callable[[], T]) -> T:
+    """fn(), its frames and those of everything it calls at the start of a chunk of the
+    interpreter's frame stack large enough for them (Note [Compiling on a fresh stack chunk])."""
+    return _on_a_fresh_stack(fn)
+
+
+def _call(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+STACK_RESERVE = 1 << 16
+"""Value-stack slots reserved in the frame on_a_fresh_stack runs its function from: the chunk of
+the frame stack that frame starts is then 1 MiB, about half of it left for the frames under it."""
+_on_a_fresh_stack = types.FunctionType(
+    _call.__code__.replace(co_stacksize=_call.__code__.co_stacksize + STACK_RESERVE), globals(), "_on_a_fresh_stack")
+
+# Note [Compiling on a fresh stack chunk]
+# Since Python 3.11 the interpreter keeps frames in chunks of a per-thread stack: a call that does
+# not fit in the current chunk maps a fresh one (16 KiB), which is unmapped when that call
+# returns. A loop whose calls cross a chunk's edge pays a mapping, page faults and an unmapping on
+# every call (CPython issue gh-142183; 3.13 and 3.14 keep one chunk cached since their 2026
+# fixes, 3.11 and 3.12 do not). Where the edges fall depends on how deep the caller is, so the
+# same passes run several times slower from one caller than from another: under `budget:0.5` on
+# transformers' Llama 6 x 256 (CPU, Python 3.11.7, torch 2.13, 2026-12-06), the partitions of
+# Inductor's own plan and of torch's took 1.0 and 1.2 s, 120 000 page faults each, where the
+# candidates' took 0.3 s (their graph extraction: 0.7 s against 0.07 s in Inductor alone), and
+# Inductor's compile of the forward took 2.7 s with 96 000 page faults.
+# So the backend compiles each graph (AOTAutograd's tracing, the passes, Inductor's compile of the
+# forward) from a frame whose code reserves a large value stack (a frame's size is its code's
+# locals plus co_stacksize): it does not fit in a 16 KiB chunk, so the call that makes it starts a
+# chunk sized for it, 1 MiB, and every frame under it fits in what that chunk has left: no edge
+# is crossed while the graph compiles, however deep the caller was. (The passes start such a
+# chunk of their own too, for rewrite_graph, which runs them without the backend's compile.)
+# Those partitions then took 0.3 and 0.5 s, the forward's compile 2.1 s with 30 page faults, and
+# the budget's whole compile 17.9 s where it took 20.5 (Inductor alone: 12.0-12.3 s in the same
+# runs, with 270 000 page faults of its own). The reserved slots are never written: the chunk's untouched pages cost
+# address space, not memory. The backward, which AOTAutograd compiles at the first backward
+# pass, is compiled from wherever autograd calls it, as under Inductor alone.
