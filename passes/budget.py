@@ -32,7 +32,7 @@ from passes.costs import agreed_costs, graph_device, is_multi_output, is_view, m
 from passes.memory import JointLiveness
 from passes.offload import offloadable
 from passes.plan import Choice, Estimate, Planned, Source
-from passes.planner import Joint, plan_policy
+from passes.planner import Joint, plan_policy, scheduled_whole
 from passes.policy import BudgetSpec
 from passes.regions import REGION_KEY, RegionKind, forward_nodes
 from passes.select import Reason
@@ -400,10 +400,15 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
     chooser = Chooser(spec, base=base.prediction.estimate())
     found: Planned | None = base if chooser.fits(base.prediction.estimate()) else None
     torch_plan = knob = None
+    whole = True  # torch's plan's peak from Inductor's schedule of its whole backward
     if spec.fraction is not None:
         with activation_memory_budget(spec.fraction):
-            torch_plan = plan_policy(joint, _leave_open)
-        if chooser.fits(torch_plan.prediction.estimate()):  # else over the limit: not a choice, and no ceiling on ours
+            torch_plan = plan_policy(joint, _leave_open, by_block=True)
+        # Note [Torch's plan beyond reach]
+        whole = torch_plan.prediction.peak_bytes <= (1 + BLOCKWISE_ERROR) * chooser.limit
+        if whole:
+            torch_plan = scheduled_whole(joint, torch_plan)
+        if whole and chooser.fits(torch_plan.prediction.estimate()):  # else over the limit: not a choice, and no ceiling on ours
             knob = torch_plan
             chooser = chooser.with_ceiling(knob.prediction.peak_bytes)
             if found is not None and base.prediction.peak_bytes > chooser.ceiling:
@@ -438,6 +443,11 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
                         affordable=_affordable(offered, gm, cost(knob)) if knob is not None else len(offered))
         found = plan(index) if index is not None else None
     solvers = {id(p): name for p, name in planned.values()}
+    if found is None and torch_plan is not None and not whole:
+        # None of ours fits: torch's plan is judged as they are, by its whole backward's schedule.
+        torch_plan = scheduled_whole(joint, torch_plan)
+        if chooser.fits(torch_plan.prediction.estimate()):
+            knob = torch_plan
     if knob is not None and (found is None or cost(knob) < cost(found)):
         found = knob
     if found is not None:
@@ -614,6 +624,12 @@ NEIGHBOUR = 0.05
 PLATEAU = 0.01
 
 
+BLOCKWISE_ERROR = 0.10
+"""How far above the limit the peak of torch's plan, its backward scheduled block by block, must
+be for the plan to be out of reach without its whole backward's schedule (Note [Torch's plan
+beyond reach])."""
+
+
 def _leave_open(info) -> CheckpointPolicy:
     """Every decision left to the partitioner (torch's own plan)."""
     return CheckpointPolicy.PREFER_SAVE
@@ -631,3 +647,19 @@ def _leave_open(info) -> CheckpointPolicy:
 # predicted as Inductor runs the plans (Note [Inductor's own schedule]): predicted by the walk's
 # own guess of fusion, torch's aggressive pointwise recompute looks far leaner than it is, and was
 # chosen over plans that measured lower.
+
+
+# Note [Torch's plan beyond reach]
+# Torch's plan asks min-cut for recomputes after its CSE, so its peak comes from Inductor's
+# schedule of its whole backward (Note [Whole backward schedules] in passes/planner.py), the
+# costliest schedule of a budget's search (1.5 s of a 19 s compile at 6 blocks, 6 s at 24, on
+# transformers' Llama 256 wide). Scheduled block by block instead, its peak was 0.87x-1.07x the
+# whole schedule's on eight models (transformers' Llama 6 and 4 x 256, Qwen2, Mixtral, GPT-2,
+# Mistral, the README sweep's BERT and ViT) at 0.7, 0.5 and 0.3 (2026-12-06). So torch's plan is
+# scheduled block by block first; where that peak is more than BLOCKWISE_ERROR above the limit,
+# the whole schedule's cannot fit either, and the plan serves only to aim the search (its
+# saved bytes and that peak) and is neither a choice nor a ceiling; nearer the limit its whole
+# backward is scheduled and decides, as before. When none of ours fits, it is scheduled whole and
+# judged as they are (chosen if it fits after all, else one of the plans the lowest is picked
+# from). On Llama 6 x 256 at 0.5: 111.6 MB block by block against a limit of 99.0 (116.8 whole);
+# aimed by that point, the search planned two candidates where it planned three, the same pick.

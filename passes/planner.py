@@ -4,7 +4,7 @@ fold_twins -> schedule -> offload -> memory. The pipeline calls it for a fixed p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -87,6 +87,20 @@ def plan_policy(joint: Joint, policy: Policy, *, by_block: bool | None = None) -
     return Planned(forward=fw, backward=bw, prediction=prediction, joint_cse=merged,
                    recomputed_embedding_ops=embedding_asked)
 
+
+
+def scheduled_whole(joint: Joint, planned: Planned) -> Planned:
+    """`planned` with its memory predicted from Inductor's schedule of the whole backward (Note
+    [Whole backward schedules]) rather than block by block."""
+    forward_names = {n.name for n in forward_nodes(joint.gm.graph) if n.op == "call_function"}
+    prediction = joint.steps.run(
+        "memory",
+        lambda: memory_pass(planned.forward, planned.backward, num_fwd_outputs=joint.num_fwd_outputs,
+                            forward_names=forward_names, block_paths=joint.block_paths,
+                            static_input_indices=joint.static_lifetime_input_indices,
+                            fused=joint.partitioner == "min_cut", offloaded=planned.prediction.offloaded, by_block=False),
+    )
+    return replace(planned, prediction=prediction)
 
 # Note [Whole backward schedules]
 # The backward of a plan min-cut partitioned after its CSE is scheduled whole where recomputes
