@@ -391,3 +391,30 @@ def test_the_search_plans_the_neighbour_of_a_candidate_near_the_limit():
         peak=lambda i: 159.9 if i < 0 else peaks[i], limit=94.4)
     assert saved[found] == 60.1
     assert len(planned) <= 3, [saved[i] for i in planned]
+
+
+@pytest.mark.parametrize("error", [-0.99, 100.0])
+def test_torchs_plan_beyond_reach_is_not_scheduled_whole(monkeypatch, error):
+    """Note [Torch's plan beyond reach]: under Inductor, torch's plan's whole backward is scheduled
+    only where its peak block by block is within BLOCKWISE_ERROR of the limit, or, when none of
+    ours fits (a budget no plan reaches here), of our lowest plan; out of reach it is neither
+    chosen nor the lowest. Made never within reach (-0.99) it is never scheduled whole and the
+    lowest of ours is planned; always within (100) it is scheduled whole at once."""
+    from ckpt_fx.dynamo_backend import CkptBackend
+    from passes.plan import Source
+
+    real, wholes = budget_module.scheduled_whole, []
+    monkeypatch.setattr(budget_module, "scheduled_whole", lambda joint, planned: wholes.append(1) or real(joint, planned))
+    monkeypatch.setattr(budget_module, "BLOCKWISE_ERROR", error)
+    torch.manual_seed(0)
+    model = build("gpt", layers=2, dim=128, heads=2, dropout=0.0)
+    ids = torch.randint(0, 1000, (4, 128))
+    backend = CkptBackend(ckpt_fx.backend(policy="budget:0.01", compiler="inductor").options, kernels=False)
+    with pytest.warns(UserWarning, match="budget 0.01 is infeasible"):
+        torch.compile(model, backend=backend)(ids, ids).backward()
+    choice = backend.plans[0].budget
+    assert choice.peak > choice.limit_bytes
+    if error < 0:
+        assert wholes == [] and choice.source == Source.SOLVER
+    else:
+        assert wholes == [1]
