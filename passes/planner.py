@@ -13,7 +13,7 @@ from passes.batchnorm import fold_twins
 from passes.memory import memory_pass
 from passes.offload import offload_pass
 from passes.partition import merges_joint, partition_pass, recomputes
-from passes.plan import Planned
+from passes.plan import Planned, Prediction
 from passes.policy import Policy
 from passes.regions import REGION_KEY, RegionKind, forward_nodes
 from passes.schedule import schedule_pass
@@ -77,36 +77,38 @@ def plan_policy(joint: Joint, policy: Policy, *, by_block: bool | None = None) -
     if offloaded:
         steps.show("offload", "after", bw)
     steps.show("partition", "forward", fw)
-    prediction = steps.run(
-        "memory",
-        lambda: memory_pass(fw, bw, num_fwd_outputs=joint.num_fwd_outputs, forward_names=forward_names,
-                            block_paths=joint.block_paths, static_input_indices=joint.static_lifetime_input_indices,
-                            fused=joint.partitioner == "min_cut", offloaded=offloaded,
-                            by_block=by_block if by_block is not None else merged is not True or not recomputed or not asked),
-    )
+    by_block = by_block if by_block is not None else merged is not True or not recomputed or not asked
+    prediction = steps.run("memory", lambda: _predicted(joint, fw, bw, forward_names=forward_names, offloaded=offloaded,
+                                                        by_block=by_block))
     return Planned(forward=fw, backward=bw, prediction=prediction, joint_cse=merged,
                    recomputed_embedding_ops=embedding_asked)
-
 
 
 def scheduled_whole(joint: Joint, planned: Planned) -> Planned:
     """`planned` with its memory predicted from Inductor's schedule of the whole backward (Note
     [Whole backward schedules]) rather than block by block."""
     forward_names = {n.name for n in forward_nodes(joint.gm.graph) if n.op == "call_function"}
-    prediction = joint.steps.run(
-        "memory",
-        lambda: memory_pass(planned.forward, planned.backward, num_fwd_outputs=joint.num_fwd_outputs,
-                            forward_names=forward_names, block_paths=joint.block_paths,
-                            static_input_indices=joint.static_lifetime_input_indices,
-                            fused=joint.partitioner == "min_cut", offloaded=planned.prediction.offloaded, by_block=False),
-    )
+    prediction = joint.steps.run("memory", lambda: _predicted(
+        joint, planned.forward, planned.backward, forward_names=forward_names,
+        offloaded=planned.prediction.offloaded, by_block=False))
     return replace(planned, prediction=prediction)
+
+
+def _predicted(joint: Joint, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, forward_names: set[str],
+               offloaded: tuple[str, ...], by_block: bool) -> Prediction:
+    """The memory pass's prediction of a plan's two graphs."""
+    return memory_pass(fw, bw, num_fwd_outputs=joint.num_fwd_outputs, forward_names=forward_names,
+                       block_paths=joint.block_paths, static_input_indices=joint.static_lifetime_input_indices,
+                       fused=joint.partitioner == "min_cut", offloaded=offloaded, by_block=by_block)
+
 
 # Note [Whole backward schedules]
 # The backward of a plan min-cut partitioned after its CSE is scheduled whole where recomputes
 # were asked for, which only torch's budget knob does (a policy that recomputes is partitioned
 # without the CSE: Note [CSE under recompute] in passes/partition.py): Inductor fuses neighbouring
-# blocks' recomputes sideways there (Note [A schedule per block]). Inductor's own partition asks
+# blocks' recomputes sideways there (Note [A schedule per block]); a budget asks for the whole
+# schedule of torch's plan only where it decides anything (Note [Torch's plan beyond reach] in
+# passes/budget.py). Inductor's own partition asks
 # for none: min-cut recomputes only fusible ops next to their readers, and its backward laid end
 # to end block by block equals the whole graph's schedule on transformers' Llama (4 and 6 x 256), Qwen2, GPT-2
 # (SDPA), the sweep's BERT and ViT, and is over it on Mixtral (4 experts, top 2): backward peak

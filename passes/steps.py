@@ -126,6 +126,6 @@ _on_a_fresh_stack = types.FunctionType(
 # chunk of their own too, for rewrite_graph, which runs them without the backend's compile.)
 # Those partitions then took 0.3 and 0.5 s, the forward's compile 2.1 s with 30 page faults, and
 # the budget's whole compile 17.9 s where it took 20.5 (Inductor alone: 12.0-12.3 s in the same
-# runs, with 270 000 page faults of its own). The reserved slots are never written: the chunk's untouched pages cost
-# address space, not memory. The backward, which AOTAutograd compiles at the first backward
-# pass, is compiled from wherever autograd calls it, as under Inductor alone.
+# runs, with 270 000 page faults of its own). The reserved slots are never written: the chunk's
+# untouched pages cost address space, not memory. The backward, which AOTAutograd compiles at the
+# first backward pass, is compiled from wherever autograd calls it, as under Inductor alone.
