@@ -190,10 +190,8 @@ class CkptBackend:
         debug = self.options.debug
         folder = pathlib.Path(self.options.debug_dir) / f"graph_{self._graphs:03d}" if debug else None
         try:
-            # Note [Collections while planning] and Note [Compiling on a fresh stack chunk] in
-            # passes/steps.py (the latter again for rewrite_graph, which calls no backend).
-            with without_full_collections():
-                fw, bw, plan = on_a_fresh_stack(lambda: pipeline.run(
+            with without_full_collections():  # Note [Collections while planning] in passes/steps.py
+                fw, bw, plan = pipeline.run(
                     joint,
                     joint_inputs,
                     policy=self.options.policy,
@@ -204,7 +202,7 @@ class CkptBackend:
                     strict=self.options.strict,
                     dump=_dumper(folder) if folder is not None else None,
                     device=self.device,
-                ))
+                )
             if debug:
                 fw, bw = debug_checks_pass(fw, bw, recomputed=set(plan.recomputed), values=debug == "values")
                 log.info("ckpt_fx debug: graphs of each pass in %s", folder)

@@ -12,6 +12,7 @@ from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend, Options
 from passes import Plan
 from passes._compat import aot_module_simplified, boxed_nop, pytree, pytree_info
+from passes.steps import on_a_fresh_stack
 
 
 class RewrittenGraphModule(torch.fx.GraphModule):
@@ -101,14 +102,15 @@ def rewrite_graph(
         captured["forward"], captured["backward"] = fw, bw
         return fw, bw
 
-    compiled = aot_module_simplified(
+    # Note [Compiling on a fresh stack chunk] in passes/steps.py
+    compiled = on_a_fresh_stack(lambda: aot_module_simplified(
         flat,
         example_inputs,
         fw_compiler=boxed_nop,
         bw_compiler=boxed_nop,
         partition_fn=partition,
         keep_inference_input_mutations=True,
-    )
+    ))
     shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_inputs]
 
     def checkpointed(*args: Any) -> Any:

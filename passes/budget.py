@@ -405,7 +405,7 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
         with activation_memory_budget(spec.fraction):
             torch_plan = plan_policy(joint, _leave_open, by_block=True)
         # Note [Torch's plan beyond reach]
-        whole = torch_plan.prediction.peak_bytes <= (1 + BLOCKWISE_ERROR) * chooser.limit
+        whole = _within_reach(torch_plan, chooser.limit)
         if whole:
             torch_plan = scheduled_whole(joint, torch_plan)
         if whole and chooser.fits(torch_plan.prediction.estimate()):  # else over the limit: not a choice, and no ceiling on ours
@@ -447,7 +447,7 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
         # None of ours fits. Torch's plan cannot either; where it may be the lowest plan, it is
         # judged as ours are, by its whole backward's schedule; else it takes no part.
         lowest_ours = min((p.prediction.peak_bytes for p, _ in planned.values()), default=base.prediction.peak_bytes)
-        if torch_plan.prediction.peak_bytes <= (1 + BLOCKWISE_ERROR) * lowest_ours:
+        if _within_reach(torch_plan, lowest_ours):
             torch_plan = scheduled_whole(joint, torch_plan)
             if chooser.fits(torch_plan.prediction.estimate()):
                 knob = torch_plan
@@ -633,6 +633,13 @@ BLOCKWISE_ERROR = 0.10
 """How far above the limit the peak of torch's plan, its backward scheduled block by block, must
 be for the plan to be out of reach without its whole backward's schedule (Note [Torch's plan
 beyond reach])."""
+
+
+def _within_reach(torch_plan: Planned, peak: int) -> bool:
+    """Whether torch's plan, its backward scheduled block by block, peaks within BLOCKWISE_ERROR
+    of `peak`: only then may its whole schedule's peak be at or under it (Note [Torch's plan
+    beyond reach])."""
+    return torch_plan.prediction.peak_bytes <= (1 + BLOCKWISE_ERROR) * peak
 
 
 def _leave_open(info) -> CheckpointPolicy:

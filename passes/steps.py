@@ -122,8 +122,8 @@ _on_a_fresh_stack = types.FunctionType(
 # forward) from a frame whose code reserves a large value stack (a frame's size is its code's
 # locals plus co_stacksize): it does not fit in a 16 KiB chunk, so the call that makes it starts a
 # chunk sized for it, 1 MiB, and every frame under it fits in what that chunk has left: no edge
-# is crossed while the graph compiles, however deep the caller was. (The passes start such a
-# chunk of their own too, for rewrite_graph, which runs them without the backend's compile.)
+# is crossed while the graph compiles, however deep the caller was (rewrite_graph traces and plans
+# its graph from such a frame too).
 # Those partitions then took 0.3 and 0.5 s, the forward's compile 2.1 s with 30 page faults, and
 # the budget's whole compile 17.9 s where it took 20.5 (Inductor alone: 12.0-12.3 s in the same
 # runs, with 270 000 page faults of its own). The reserved slots are never written: the chunk's

@@ -255,7 +255,7 @@ def test_inductors_own_partition_is_scheduled_per_block_and_torchs_plan_whole(fr
     assert knob == 0.7 and knob_by_block
     assert abs(by_block[1] / whole[1] - 1) < passes.budget.BLOCKWISE_ERROR, (by_block, whole)
     # Chosen (a ceiling for ours) only as its whole backward's schedule predicts it.
-    whole_knob = [asked for by_block, knob, asked, _ in calls[2:] if knob == 0.7 and not by_block]
+    whole_knob = [asked for blockwise, fraction, asked, _ in calls[2:] if fraction == 0.7 and not blockwise]
     assert all(asked == whole for asked in whole_knob)
     if backend.plans[0].budget.source == passes.plan.Source.TORCH_KNOB:
         assert whole_knob
