@@ -26,6 +26,7 @@ from passes._compat import (
 )
 from passes.costs import graph_device
 from passes.graphs import copy_graph_module
+from passes.head import HeadReport, head_pass
 from passes.offload import OFFLOAD_KEY
 from passes.debug import debug_checks_pass
 from passes.policy import BudgetSpec, NamedPolicy, matches_path, uses_blocks
@@ -41,7 +42,9 @@ COMPILERS = ("eager", "inductor")
 # Inductor where this torch has its custom partitioner hook: measured on GPT-2 (README), its peak
 # under each policy is at or below the eager inner compiler's and its steps are faster.
 DEFAULT_COMPILER = "inductor" if has_inductor_partitioner_hook() else "eager"
-OPTION_KEYS = ("policy", "compiler", "strict", "debug", "debug_dir")
+OPTION_KEYS = ("policy", "compiler", "strict", "debug", "debug_dir", "head", "logits")
+HEADS = ("chunked", "whole")
+LOGITS = ("keep", "drop")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +65,13 @@ class Options:
     "values": check their values too (keeps the originals: debugging memory)."""
     debug_dir: str = "ckpt_fx_debug"
     """Folder for the debug dumps (one sub-folder per compiled graph)."""
+    head: str = "chunked"
+    """"chunked": a language model's loss head (vocabulary projection and cross-entropy) runs in
+    chunks of tokens, so no tokens x vocabulary tensor is kept (Note [The loss head in chunks] in
+    passes/head.py); "whole": as the model wrote it."""
+    logits: str = "keep"
+    """"keep": the graph returns the logits the model returns; "drop": a chunked head's logits are
+    returned as None and never built whole (Note [Logits in training calls] in ckpt_fx/in_place.py)."""
 
     def __post_init__(self) -> None:
         if not callable(self.policy):
@@ -79,6 +89,10 @@ class Options:
             raise ValueError(f"debug must be False, True or 'values', got {self.debug!r}")
         if self.debug and self.compiler == "inductor":
             raise ValueError("debug checks run Python in the graphs: use them with compiler='eager', not 'inductor'")
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {', '.join(map(repr, HEADS))}, got {self.head!r}")
+        if self.logits not in LOGITS:
+            raise ValueError(f"logits must be one of {', '.join(map(repr, LOGITS))}, got {self.logits!r}")
         if not isinstance(self.debug_dir, str) or not self.debug_dir:
             raise ValueError(f"debug_dir must be a non-empty path, got {self.debug_dir!r}")
 
@@ -167,6 +181,8 @@ class CkptBackend:
         self.on_partitioned: list[Callable[[Partitioned], None]] = []
         self._graphs = 0
         self._warned: set[str] = set()
+        self._head = HeadReport()
+        """What head_pass did to the graph being compiled: its plan records it."""
 
     @property
     def partitioner(self) -> str:
@@ -225,6 +241,7 @@ class CkptBackend:
                 inside = lambda path: any(path == u or path.startswith(u + ".") for u in self.checkpointed_by_model)  # noqa: E731
                 plan = replace(plan, checkpointed_by_model=tuple(
                     unit.name for unit in plan.units if inside(unit.path)))
+            plan = replace(plan, heads=tuple(self._head.heads), head_reasons=tuple(self._head.reasons))
             self.plans.append(plan)
             self._warn_if_unmatched(plan, name)
             self._warn_if_outputs_held(plan)
@@ -336,8 +353,15 @@ class CkptBackend:
         files = sorted((root / "passes").glob("*.py")) + [root / "ckpt_fx" / "policies.py"]
         return f"ckpt_fx:{spec}:strict={self.options.strict}:{cache_hash(tuple(map(str, files)))}"
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *, logits: str | None = None):
+        """Compile one graph dynamo hands over. `logits`: "keep" or "drop" for this graph, in place
+        of the option (enable drops them in training calls with labels)."""
         planned = len(self.plans)
+        # Note [The loss head in chunks] in passes/head.py: only where gradients are recorded (an
+        # inference graph keeps nothing for a backward).
+        self._head = HeadReport()
+        if self.options.head == "chunked" and torch.is_grad_enabled():
+            self._head = head_pass(gm, keep_logits=(logits or self.options.logits) == "keep")
         if self.options.compiler == "inductor":
             compile_fn = inductor_with_partitioner(self.partition, self.cache_key(), kernels=self.kernels)
         else:
@@ -349,6 +373,8 @@ class CkptBackend:
             )
         # Note [Compiling on a fresh stack chunk] in passes/steps.py
         compiled = on_a_fresh_stack(lambda: compile_fn(gm, example_inputs))
+        if self._head.dropped_outputs:
+            compiled = _with_none_at(compiled, self._head.dropped_outputs)
         if not self._count_runs or len(self.plans) != planned + 1:
             return compiled
         return _counted(compiled, self.runs, planned)
@@ -366,6 +392,8 @@ def backend(
     strict: bool = False,
     debug: bool | str | None = None,
     debug_dir: str | None = None,
+    head: str = "chunked",
+    logits: str = "keep",
 ) -> CkptBackend:
     """A torch.compile backend that checkpoints by `policy`; validates everything now.
     compiler, debug and debug_dir default to CKPT_FX_COMPILER, CKPT_FX_DEBUG and CKPT_FX_DEBUG_DIR
@@ -374,7 +402,8 @@ def backend(
     >>> compiled = torch.compile(model, backend=ckpt_fx.backend(policy="segments:4"))
     """
     given = {k: v for k, v in (("debug", debug), ("debug_dir", debug_dir), ("compiler", compiler)) if v is not None}
-    return CkptBackend(Options(policy=policies.parse(policy), strict=strict, **Options.merged(given)))
+    return CkptBackend(Options(policy=policies.parse(policy), strict=strict, head=head, logits=logits,
+                               **Options.merged(given)))
 
 
 def _counted(compiled: Callable[..., Any], runs: list[int], index: int) -> Callable[..., Any]:
@@ -386,6 +415,20 @@ def _counted(compiled: Callable[..., Any], runs: list[int], index: int) -> Calla
     if getattr(compiled, "_boxed_call", False):
         counted._boxed_call = True
     return counted
+
+
+def _with_none_at(compiled: Callable[..., Any], indices: tuple[int, ...]) -> Callable[..., Any]:
+    """`compiled`, its outputs with None put back at `indices` (outputs head_pass removed, which
+    dynamo's code after the graph still expects); called as `compiled` is (boxed or not)."""
+    def with_none(*args, **kwargs):
+        outputs = list(compiled(*args, **kwargs))
+        for i in indices:
+            outputs.insert(i, None)
+        return outputs
+
+    if getattr(compiled, "_boxed_call", False):
+        with_none._boxed_call = True
+    return with_none
 
 
 def _dumper(folder: pathlib.Path):

@@ -23,6 +23,29 @@ would be planned). The backend is told which units the switch would have checkpo
 (`CkptBackend.checkpointed_by_model`), so each plan still reports them and says when it
 recomputes fewer. Eval, no_grad and generate run the model as it is, flags included.
 
+Note [The loss head under enable]
+A causal LM's head (its projection to the vocabulary and its cross-entropy) keeps more than every
+checkpointed block together on today's vocabularies, and it lies outside the backbone. So where
+the backbone's parent has output embeddings (a Hugging Face causal LM: `get_output_embeddings()`),
+enable switches that module too: a training call that passes labels (Trainer's, Lightning's that
+read `.loss`) runs its whole forward compiled, backbone and head in one graph, and the backend
+chunks the head (Note [The loss head in chunks] in passes/head.py). With head="whole" the head
+runs eagerly beside the compiled backbone, as the model wrote it: compiled into the graph whole,
+it would only keep more (its logits returned and saved at once). Calls without labels (a loss
+of the caller's own from the logits; TRL's SFTTrainer, whose fused LM head calls the backbone
+directly and already walks the tokens in chunks of its own) go through the backbone's switch as
+before.
+
+Note [Logits in training calls]
+A causal LM returns its logits beside its loss: a caller that holds them keeps one tokens x
+vocabulary matrix whatever the plan. In a training call that passes labels, the loss is what
+trainers read: Trainer's compute_loss takes `outputs["loss"]` (a compute_loss_func or label
+smoother pops the labels first, so those calls keep their logits), Lightning modules return the
+loss, and TRL's SFTTrainer reads its own fused head's outputs, not logits. So enable's default,
+`logits="drop"`, returns `logits=None` from training calls with labels, and nothing builds them
+whole; `logits="keep"` returns them (built whole, as the model writes them). Eval, no_grad and
+generate calls are never compiled and return their logits.
+
 Note [A training step's KV cache]
 A Hugging Face causal LM returns its KV cache unless called with use_cache=False, and the cache is
 a graph output: every block's keys and values stay alive from the forward to the backward whatever
@@ -37,6 +60,7 @@ names the cost; generate, under no_grad, keeps its cache.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
 import weakref
@@ -47,7 +71,7 @@ from typing import Any
 import torch
 
 from ckpt_fx import policies
-from ckpt_fx.dynamo_backend import CkptBackend, backend
+from ckpt_fx.dynamo_backend import LOGITS, CkptBackend, backend
 
 
 @dataclass(frozen=True)
@@ -55,35 +79,42 @@ class _Switched:
     """What enable changed on one model, to undo it."""
 
     backend: CkptBackend
-    module: torch.nn.Module
-    """The module whose forward was switched (Note [The module enable switches])."""
-    forward: Any
-    """Its own `forward` attribute before enable (None: it had none, the class's ran)."""
+    forwards: tuple[tuple[torch.nn.Module, Any], ...]
+    """Each module whose forward was switched (Note [The module enable switches], Note [The loss
+    head under enable]) with its own `forward` attribute before enable (None: it had none, the
+    class's ran)."""
 
 
 _ENABLED: weakref.WeakKeyDictionary[torch.nn.Module, _Switched] = weakref.WeakKeyDictionary()
 
 
 def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, *, compiler: str | None = None,
-           strict: bool = False, dynamic: bool | None = None) -> CkptBackend:
+           strict: bool = False, dynamic: bool | None = None, head: str = "chunked",
+           logits: str = "drop") -> CkptBackend:
     """Checkpoint `model`'s training steps with ckpt-fx, in place: its forward runs compiled with
     backend="ckpt" (and `policy`, `compiler`, `strict` as ckpt_fx.backend takes them) where
     gradients are recorded in train mode, and as it was anywhere else (eval, torch.no_grad,
     generate): no compile for those, no recompile for their shapes. The model keeps its class and
     state-dict keys, so Trainer, TRL and Lightning save and reload it as usual. Enabling again
     replaces the earlier settings. Returns the backend (its `plans` fill as graphs compile).
+    `head`: "chunked" (a causal LM's loss head in chunks, Note [The loss head under enable]) or
+    "whole". `logits`: "drop" (training calls with labels return logits=None, Note [Logits in
+    training calls]) or "keep".
 
     >>> ckpt_fx.enable(model)                 # the default policy, before handing the model to a trainer
     >>> ckpt_fx.disable(model)                # the model as it was
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"enable: expected a torch.nn.Module, got {type(model).__name__}")
-    chosen = backend(policy=policy, compiler=compiler, strict=strict)  # every option checked here, now
+    chosen = backend(policy=policy, compiler=compiler, strict=strict, head=head)  # every option checked here, now
+    if logits not in LOGITS:
+        raise ValueError(f"enable: logits must be one of {', '.join(map(repr, LOGITS))}, got {logits!r}")
     disable(model)
     module = backbone(model)
     own = module.__dict__.get("forward")
     original = module.forward
     compiled = torch.compile(original, backend=chosen, dynamic=dynamic)
+    whole_model = [False]  # within a compiled call of the head's module: the backbone runs as it is
     signature = inspect.signature(original)
     parameters = list(signature.parameters.values())
     # Where use_cache would be passed by position (none passes it so; it is then left as given).
@@ -92,7 +123,7 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
         use_cache_at = len(parameters)
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()):
+        if whole_model[0] or not (self.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         with _own_checkpointing_off(self) as units:  # Note [The model's own checkpointing under enable]
             chosen.checkpointed_by_model = units
@@ -102,15 +133,63 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
                 kwargs["use_cache"] = False
             return compiled(*args, **kwargs)
 
-    # A bound method, as the class's forward is (wrappers that unwrap `forward.__func__`, such as
-    # accelerate's autocast, keep working), with the original's signature and name: trainers read
-    # the signature to choose which dataset columns to pass.
+    module.forward = _bound_like(forward, original, module)
+    switched = [(module, own)]
+    top = _head_module(model, module) if head == "chunked" else None
+    if top is not None:
+        switched.append((top, top.__dict__.get("forward")))
+        top.forward = _with_head(top, module, chosen, logits=logits, dynamic=dynamic, whole_model=whole_model)
+    _ENABLED[model] = _Switched(backend=chosen, forwards=tuple(switched))
+    return chosen
+
+
+def _head_module(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module | None:
+    """The backbone's parent when it holds output embeddings (a causal LM's head), else None (Note
+    [The loss head under enable])."""
+    for parent in model.modules():
+        if any(child is module for child in parent.children()):
+            get = getattr(parent, "get_output_embeddings", None)
+            head = get() if callable(get) else None
+            return parent if isinstance(head, torch.nn.Linear) else None
+    return None
+
+
+def _with_head(top: torch.nn.Module, module: torch.nn.Module, chosen: CkptBackend, *, logits: str,
+               dynamic: bool | None, whole_model: list[bool]) -> Any:
+    """`top`'s forward switched: training calls with labels run compiled whole (Note [The loss head
+    under enable]), the rest as they did."""
+    original = top.forward
+    compiled = torch.compile(original, backend=functools.partial(chosen, logits=logits), dynamic=dynamic)
+    signature = inspect.signature(original)
+    takes_use_cache = "use_cache" in signature.parameters
+    prefix = next(name for name, m in top.named_modules() if m is module)
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("labels") is None or not (self.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        with _own_checkpointing_off(module) as units:
+            # The graph is the whole model's: its units are named from it.
+            chosen.checkpointed_by_model = tuple(f"{prefix}.{u}" for u in units)
+            if takes_use_cache and (units or kwargs.get("use_cache") is None):
+                kwargs["use_cache"] = False  # Note [A training step's KV cache]
+            whole_model[0] = True
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                whole_model[0] = False
+
+    return _bound_like(forward, original, top)
+
+
+def _bound_like(forward: Any, original: Any, module: torch.nn.Module) -> Any:
+    """`forward` bound to `module` with `original`'s signature and name: trainers read the
+    signature to choose which dataset columns to pass; wrappers that unwrap `forward.__func__`
+    (accelerate's autocast) keep working."""
+    signature = inspect.signature(original)
     self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
     forward.__name__, forward.__doc__ = getattr(original, "__name__", "forward"), getattr(original, "__doc__", None)
-    module.forward = types.MethodType(forward, module)
-    _ENABLED[model] = _Switched(backend=chosen, module=module, forward=own)
-    return chosen
+    return types.MethodType(forward, module)
 
 
 @contextlib.contextmanager
@@ -172,10 +251,11 @@ def disable(model: torch.nn.Module) -> None:
     switched = _ENABLED.pop(model, None)
     if switched is None:
         return
-    if switched.forward is None:
-        switched.module.__dict__.pop("forward", None)
-    else:
-        switched.module.forward = switched.forward
+    for module, own in switched.forwards:
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = own
 
 
 def enabled(model: torch.nn.Module) -> CkptBackend | None:

@@ -79,6 +79,7 @@ class Report:
             out.append(f"  {s.module_path or '<top>':40s} {_described(s):40s} {shape:>18s} {dtype:8s} {size}")
         if top is not None and len(saved) > top:
             out.append(f"  ... and {len(saved) - top} smaller ones")
+        out.extend(_head_lines(self.plans))
         out.append("")
         line = f"predicted {'device ' if host else ''}peak: {self.predicted_peak_bytes / mb:.1f} MB"
         if any(p.peak_model == PeakModel.INDUCTOR for p in self.plans):
@@ -118,6 +119,22 @@ def training_loss(out: Any) -> torch.Tensor:
     if not leaves:
         raise ValueError("explain: the model's output has no floating-point tensor that requires grad")
     return sum(x.float().sum() for x in leaves)
+
+
+def _head_lines(plans: tuple[Plan, ...]) -> list[str]:
+    """The loss head's row: bytes the whole head would keep and the chunked one keeps, chunks,
+    FLOPs; or why a cross-entropy was left whole (Note [The loss head in chunks])."""
+    mb = 2**20
+    out = []
+    for plan in plans:
+        for h in plan.heads:
+            out.append(
+                f"loss head: {h.tokens} tokens x {h.vocab} vocabulary in {h.chunks} chunks of {h.chunk_rows} rows: keeps "
+                f"{h.kept_bytes / mb:.2f} MB for the backward where the whole head keeps {h.whole_bytes / mb:.2f} MB "
+                f"(one chunk's temporaries {h.chunk_bytes / mb:.2f} MB); 0 FLOPs recomputed (its gradients are formed "
+                f"in the forward){'; the logits are returned whole as the caller asked' if h.logits_kept else ''}")
+        out.extend(f"loss head left whole: {reason}" for reason in plan.head_reasons)
+    return out
 
 
 def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | None = None,

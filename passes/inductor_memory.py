@@ -12,6 +12,7 @@ import torch
 
 from passes._compat import backward_lowering_config
 from passes.costs import tensor_bytes
+from passes.head import workspace_bytes
 from passes.graphs import copy_graph_module
 from passes.regions import REGION_KEY
 
@@ -202,6 +203,11 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
                         continue
                     if isinstance(buf.node.layout, MultiOutputLayout):
                         packed[name] = step  # an extern kernel's tuple: each element a storage of its own
+                        # A chunked loss head's temporaries, while it runs (passes/head.py).
+                        workspace = max((workspace_bytes(o) for o in buf.node.origins), default=0)
+                        if workspace:
+                            storages.append([step, step, workspace])
+                            kinds.append(None)
                         continue
                     if isinstance(buf.node, MultiOutput) and buf.mpi_buffer.size_free:
                         # An element of the tuple an extern kernel (a custom op, a fallback)

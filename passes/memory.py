@@ -11,6 +11,7 @@ import torch
 from passes._compat import CPU_OFFLOAD_PREFIX, OpOverload, is_primal, is_tangent, op_short_name, size_at, size_hint, symbols_of
 from passes.costs import FLOPS_KEY, fuses, is_view, node_flops, tensor_bytes
 from passes.graphs import snapshot
+from passes.head import workspace_bytes
 from passes.inductor_memory import scheduled_peaks
 from passes.liveness import just_in_time, walk
 from passes.offload import on_host
@@ -72,7 +73,7 @@ def _walk(
             return None
         if on_host(node) or (fused and fused_away(node)):
             return 0  # a copy in host memory, or fused into its consumers: no device storage
-        return tensor_bytes(node.meta.get("val"), sizes)
+        return tensor_bytes(node.meta.get("val"), sizes) + workspace_bytes(node, sizes)
 
     return walk(nodes[:end], key=key_of.__getitem__, reads=lambda n: {key_of[a] for a in n.all_input_nodes} | {key_of[n]},
                 allocates=allocates, live=live, pinned=pinned, held=held)
@@ -333,7 +334,7 @@ class JointLiveness:
             if storage_of(n) is not n:
                 self.key[i] = index[storage_of(n)]
             elif n.op == "call_function":
-                self.nbytes[i] = tensor_bytes(n.meta.get("val"))
+                self.nbytes[i] = tensor_bytes(n.meta.get("val")) + workspace_bytes(n)
             elif n.op == "placeholder" and (is_tangent(n) or not is_primal(n)):
                 self.entry[i] = tensor_bytes(n.meta.get("val"))
         self.touched = [tuple({self.key[a] for a in self.inputs[i]} | {self.key[i]}) for i in range(len(nodes))]

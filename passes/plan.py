@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from passes.head import Head
     from passes.regions import Block
     from passes.select import HardRule
 
@@ -256,6 +257,10 @@ class Plan:
     symbols: dict[str, int] = field(default_factory=dict)
     """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
     were made with. `at(...)` gives the plan's figures at other sizes."""
+    heads: tuple[Head, ...] = ()
+    """Loss heads run in chunks (Note [The loss head in chunks] in passes/head.py)."""
+    head_reasons: tuple[str, ...] = ()
+    """Why each cross-entropy of the graph that was not chunked was left whole."""
     _at: Callable[[dict[str, int]], Prediction] | None = field(default=None, compare=False, repr=False)
 
     @property

@@ -1,0 +1,241 @@
+"""The loss head in chunks (passes/head.py): found, rewritten, exact to a stated bound, measured."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckpt_fx
+import passes.head as head
+from ckpt_fx.bench.models import build
+
+VOCAB, WIDTH = 96, 16
+
+
+class TinyLM(torch.nn.Module):
+    """An embedding, one hidden layer, a vocabulary head (tied to the embedding or not) and a plain
+    cross-entropy over the flattened logits."""
+
+    def __init__(self, *, tied: bool, upcast: bool, reduction: str, smoothing: float = 0.0):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.mix = torch.nn.Linear(WIDTH, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.upcast, self.reduction, self.smoothing = upcast, reduction, smoothing
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
+        if self.upcast:
+            logits = logits.float()
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                               reduction=self.reduction, label_smoothing=self.smoothing)
+
+
+def _step(model, fn, ids, labels, *, autocast: bool):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = fn(ids, labels)
+    loss.backward()
+    return [loss.detach().double()] + [p.grad.double() for p in model.parameters()]
+
+
+def _errors(got, ref):
+    return [(g - r).abs().max().item() for g, r in zip(got, ref, strict=True)]
+
+
+def _per_row(dtype: torch.dtype) -> int:
+    return head.row_bytes(vocab=VOCAB, dtype=dtype)
+
+
+def _check_bound(*, batch, seq, rows, ignored, tied, autocast, upcast, reduction, compiler, monkeypatch):
+    """Loss and every gradient of a chunked step within twice the whole step's error against the
+    same step in float64, plus EPS times the float64 value's largest magnitude."""
+    torch.manual_seed(0)
+    model = TinyLM(tied=tied, upcast=upcast, reduction=reduction)
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    labels = ids.clone()
+    labels.view(-1)[torch.tensor(ignored, dtype=torch.long) % labels.numel()] = -100
+    dtype = torch.bfloat16 if autocast else torch.float32
+    monkeypatch.setattr(head, "CHUNK_BYTES", rows * _per_row(dtype))
+    monkeypatch.setattr(head, "MIN_ROWS", 1)
+    torch._dynamo.reset()  # each example a fresh model: no recompile limit across examples
+    exact = copy.deepcopy(model).double()
+    ref = _step(exact, exact, ids, labels, autocast=False)
+    whole = _step(model, model, ids, labels, autocast=autocast)
+    chunked_model = copy.deepcopy(model)
+    backend = ckpt_fx.backend(compiler=compiler)
+    chunked = _step(chunked_model, torch.compile(chunked_model, backend=backend), ids, labels, autocast=autocast)
+    (h,) = backend.plans[0].heads
+    assert h.chunk_rows == rows and h.chunks == -(-batch * (seq - 1) // rows)
+    eps = 1e-6 if not autocast else 2e-3
+    for name, e_chunked, e_whole, r in zip(["loss", *(n for n, _ in model.named_parameters())],
+                                           _errors(chunked, ref), _errors(whole, ref), ref, strict=True):
+        bound = 2 * e_whole + eps * max(r.abs().max().item(), 1e-30)
+        if torch.isnan(r).any():  # every token ignored under "mean": 0 / 0, as the whole head gives
+            continue
+        assert e_chunked <= bound, (name, e_chunked, e_whole, bound)
+
+
+@settings(max_examples=25)
+@given(batch=st.integers(1, 4), seq=st.integers(2, 12), rows=st.integers(1, 20),
+       ignored=st.lists(st.integers(0, 47), max_size=20), tied=st.booleans(), autocast=st.booleans(),
+       upcast=st.booleans(), reduction=st.sampled_from(["mean", "sum"]))
+def test_a_chunked_head_is_within_twice_the_whole_heads_error_against_float64(
+        batch, seq, rows, ignored, tied, autocast, upcast, reduction, monkeypatch):
+    """Note [The loss head in chunks]: chunking reorders the weight gradient's and the loss's sums,
+    so the contract is a bound, not bitwise: for the loss and every gradient, the error against
+    a float64 step is at most twice the whole head's error, plus 1e-6 (fp32) or 2e-3 (bf16
+    autocast) of the value's magnitude; over shapes, chunk sizes, ignored tokens, tied weights,
+    bf16 autocast, an upcast or none, sum and mean, under the eager inner compiler."""
+    _check_bound(batch=batch, seq=seq, rows=rows, ignored=ignored, tied=tied, autocast=autocast, upcast=upcast,
+                 reduction=reduction, compiler="eager", monkeypatch=monkeypatch)
+
+
+def test_a_chunk_whose_every_token_is_ignored_adds_nothing(monkeypatch):
+    """A chunk of ignored tokens (the padding at a sequence's end) contributes no loss and no
+    gradient; the bound holds around it."""
+    _check_bound(batch=2, seq=9, rows=4, ignored=list(range(8, 16)), tied=False, autocast=False, upcast=True,
+                 reduction="mean", compiler="eager", monkeypatch=monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_bound_holds_under_inductor(autocast, monkeypatch):
+    """The same bound with Inductor as the inner compiler (the op runs as an extern kernel)."""
+    _check_bound(batch=3, seq=10, rows=5, ignored=[0, 1, 2, 17], tied=True, autocast=autocast, upcast=True,
+                 reduction="mean", compiler="inductor", monkeypatch=monkeypatch)
+
+
+def test_dynamic_batch_is_served_by_one_chunked_graph(monkeypatch):
+    """After a new batch size the dynamic graph keeps its chunked head, and stays exact."""
+    monkeypatch.setattr(head, "CHUNK_BYTES", 3 * _per_row(torch.float32))
+    monkeypatch.setattr(head, "MIN_ROWS", 1)
+    torch.manual_seed(0)
+    model = TinyLM(tied=False, upcast=True, reduction="mean")
+    backend = ckpt_fx.backend(compiler="eager")
+    fn = torch.compile(model, backend=backend)
+    for batch in (2, 3, 5):
+        ids = torch.randint(0, VOCAB, (batch, 8))
+        loss = fn(ids, ids)
+        assert torch.allclose(loss, model(ids, ids), rtol=1e-5, atol=1e-6)
+    assert all(p.heads for p in backend.plans)
+    assert len(backend.plans) == 2  # the first static graph, then one dynamic graph
+
+
+def test_a_head_it_does_not_recognise_stays_whole_and_says_why():
+    """Label smoothing needs every logit in the loss: the head is left as the model wrote it, the
+    plan names why, and explain shows the line."""
+    torch.manual_seed(0)
+    model = TinyLM(tied=False, upcast=False, reduction="mean", smoothing=0.1)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    backend = ckpt_fx.backend(compiler="eager")
+    torch.compile(model, backend=backend)(ids, ids).backward()
+    (plan,) = backend.plans
+    assert plan.heads == () and any("label smoothing" in r for r in plan.head_reasons)
+    report = ckpt_fx.explain(model, ids, ids, compiler="eager")
+    assert "loss head left whole" in str(report) and "label smoothing" in str(report)
+
+
+def test_head_whole_keeps_the_graph_as_it_was():
+    """head="whole" plans the head as written: gradients bitwise those of aot_eager."""
+    torch.manual_seed(0)
+    model = TinyLM(tied=False, upcast=True, reduction="mean")
+    ids = torch.randint(0, VOCAB, (2, 8))
+    base_model = copy.deepcopy(model)
+    base = _step(base_model, torch.compile(base_model, backend="aot_eager"), ids, ids, autocast=False)
+    m = copy.deepcopy(model)
+    backend = ckpt_fx.backend(compiler="eager", head="whole")
+    got = _step(m, torch.compile(m, backend=backend), ids, ids, autocast=False)
+    assert backend.plans[0].heads == ()
+    assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
+
+
+def test_bad_head_and_logits_options_are_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"head must be one of 'chunked', 'whole', got 'halved'"):
+        ckpt_fx.backend(head="halved")
+    with pytest.raises(ValueError, match=r"logits must be one of 'keep', 'drop', got 'no'"):
+        ckpt_fx.backend(logits="no")
+
+
+def test_the_plan_and_explain_show_a_head_row_and_the_prediction_counts_its_chunk():
+    """The built-in LLaMA-style model: its head is chunked, explain prints the head's row, and the
+    predicted step peak is within 10% of the measured one."""
+    torch.manual_seed(0)
+    model = build("llama", layers=2, dim=32, heads=2, vocab=2000).train()
+    ids = torch.randint(0, 2000, (4, 64))
+    report = ckpt_fx.explain(model, ids, ids, compiler="eager", measure=True)
+    text = str(report)
+    assert "loss head: 256 tokens x 2000 vocabulary in 1 chunks" in text
+    assert abs(report.predicted_peak_bytes - report.measured_peak_bytes) <= 0.10 * report.measured_peak_bytes
+
+
+def _hf_llama(vocab=4000):
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=vocab)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def test_enable_chunks_a_causal_lms_head_and_drops_its_logits_only_in_training_calls_with_labels():
+    """Note [The loss head under enable], Note [Logits in training calls]: a training call with
+    labels returns the loss (equal to the model's own) and logits=None, with a chunked head in its
+    plan; without labels, or in eval, the logits are there; disable restores both forwards."""
+    model = _hf_llama()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 4000, (2, 16))
+    backend = ckpt_fx.enable(model, compiler="eager")
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None
+    assert torch.allclose(out.loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-5)
+    out.loss.backward()
+    assert [len(p.heads) for p in backend.plans] == [1]
+    assert model(input_ids=ids).logits.shape == (2, 16, 4000)
+    model.eval()
+    assert model(input_ids=ids, labels=ids).logits is not None
+    model.train()
+    kept = ckpt_fx.enable(model, compiler="eager", logits="keep")
+    assert model(input_ids=ids, labels=ids).logits.shape == (2, 16, 4000)
+    assert kept.plans[0].heads[0].logits_kept
+    ckpt_fx.disable(model)
+    assert "forward" not in model.__dict__ and "forward" not in model.model.__dict__
+
+
+def test_enable_with_head_whole_leaves_the_head_outside_as_before():
+    model = _hf_llama()
+    ids = torch.randint(0, 4000, (2, 16))
+    backend = ckpt_fx.enable(model, compiler="eager", head="whole")
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is not None and all(not p.heads for p in backend.plans)
+    assert "forward" not in model.__dict__
+    with pytest.raises(ValueError, match="logits must be one of"):
+        ckpt_fx.enable(model, logits="none")
+
+
+def test_a_chunked_head_lowers_the_measured_step_peak_under_enable(monkeypatch):
+    """Memory measured, not inferred: a causal LM whose vocabulary is 250x its width, HF's own
+    checkpointing against enable with the head in chunks of 64 rows (eager inner compiler)."""
+    monkeypatch.setattr(head, "MIN_ROWS", 64)
+    monkeypatch.setattr(head, "CHUNK_BYTES", 0)
+
+    model = _hf_llama(vocab=8000)
+    ids = torch.randint(0, 8000, (4, 128))
+    hf = copy.deepcopy(model)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt_fx.enable(model, compiler="eager")
+
+    def peak(m):
+        step = lambda: m(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # noqa: E731
+        step()
+        for p in m.parameters():
+            p.grad = None
+        return ckpt_fx.peak_bytes(step)
+
+    ours, theirs = peak(model), peak(hf)
+    assert ours <= 0.5 * theirs, (ours, theirs)
