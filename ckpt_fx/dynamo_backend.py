@@ -181,7 +181,7 @@ class CkptBackend:
         self.on_partitioned: list[Callable[[Partitioned], None]] = []
         self._graphs = 0
         self._warned: set[str] = set()
-        self._head = HeadReport()
+        self.head_report = HeadReport()
         """What head_pass did to the graph being compiled: its plan records it."""
 
     @property
@@ -241,7 +241,7 @@ class CkptBackend:
                 inside = lambda path: any(path == u or path.startswith(u + ".") for u in self.checkpointed_by_model)  # noqa: E731
                 plan = replace(plan, checkpointed_by_model=tuple(
                     unit.name for unit in plan.units if inside(unit.path)))
-            plan = replace(plan, heads=tuple(self._head.heads), head_reasons=tuple(self._head.reasons))
+            plan = replace(plan, heads=tuple(self.head_report.heads), head_reasons=tuple(self.head_report.reasons))
             self.plans.append(plan)
             self._warn_if_unmatched(plan, name)
             self._warn_if_outputs_held(plan)
@@ -359,9 +359,9 @@ class CkptBackend:
         planned = len(self.plans)
         # Note [The loss head in chunks] in passes/head.py: only where gradients are recorded (an
         # inference graph keeps nothing for a backward).
-        self._head = HeadReport()
+        self.head_report = HeadReport()
         if self.options.head == "chunked" and torch.is_grad_enabled():
-            self._head = head_pass(gm, keep_logits=(logits or self.options.logits) == "keep")
+            self.head_report = head_pass(gm, keep_logits=(logits or self.options.logits) == "keep")
         if self.options.compiler == "inductor":
             compile_fn = inductor_with_partitioner(self.partition, self.cache_key(), kernels=self.kernels)
         else:
@@ -373,8 +373,8 @@ class CkptBackend:
             )
         # Note [Compiling on a fresh stack chunk] in passes/steps.py
         compiled = on_a_fresh_stack(lambda: compile_fn(gm, example_inputs))
-        if self._head.dropped_outputs:
-            compiled = _with_none_at(compiled, self._head.dropped_outputs)
+        if self.head_report.dropped_outputs:
+            compiled = _with_none_at(compiled, self.head_report.dropped_outputs)
         if not self._count_runs or len(self.plans) != planned + 1:
             return compiled
         return _counted(compiled, self.runs, planned)

@@ -509,7 +509,9 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
     policy's backend is copied to every other policy's first. A policy in `lenient` (a budget at
     the cap) plans its lowest where no plan reaches it, quietly (its row shows it does not fit);
     the others raise. `progress`: a bar on stderr, one step per policy and graph."""
-    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient), device=device,
+    # The head chunked and the logits of a training call with labels dropped, as enable does (Note
+    # [Logits in training calls] in ckpt_fx/in_place.py).
+    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient, logits="drop"), device=device,
                             count_runs=k == 0) for k, p in enumerate(policies)]
     first = backends[0]
     bar = _bar(len(backends)) if progress else None
@@ -527,6 +529,7 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
         if bar is not None:
             bar.total += len(backends) if bar.n else 0  # a graph break: another round of policies
         for backend, joint_copy in zip(backends[1:], copies):
+            backend.head_report = first.head_report  # the graph the first backend's head pass rewrote: its heads
             partition(backend, joint_copy, joint_inputs, kw)
 
     first.on_joint.append(plan_others)

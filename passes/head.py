@@ -96,13 +96,19 @@ def linear_cross_entropy(
             grad = wide.sub_(lse.unsqueeze(1)).exp_() if wide is not logits else (wide - lse.unsqueeze(1)).exp_()
             grad.scatter_add_(1, safe.unsqueeze(1), torch.full_like(picked, -1.0).unsqueeze(1))
             grad.mul_(kept.unsqueeze(1))
+            if want_bias and bias is not None:
+                d_bias += grad.sum(0)
+            if logits.dtype == torch.float32:  # the products straight into the fp32 gradients
+                if want_hidden:
+                    torch.mm(grad, weight, out=d_hidden[start:start + chunk_rows])
+                if want_weight:
+                    d_weight.addmm_(grad.t(), h)
+                continue
             grad_low = grad.to(logits.dtype)  # as the whole head's backward casts before its products
             if want_hidden:
                 d_hidden[start:start + chunk_rows] = grad_low @ weight
             if want_weight:
                 d_weight += (grad_low.t() @ h).float()
-            if want_bias and bias is not None:
-                d_bias += grad_low.float().sum(0)
     return loss, d_hidden, d_weight, d_bias
 
 
@@ -209,7 +215,10 @@ def workspace_bytes(node: torch.fx.Node, sizes: dict[str, int] | None = None) ->
     if not isinstance(hv, torch.Tensor) or not isinstance(wv, torch.Tensor):
         return 0
     chunk = min(int(node.args[5]), size_at(hv.shape[0], sizes or {}))
-    return chunk * row_bytes(vocab=int(wv.shape[0]), dtype=hv.dtype)
+    vocab, width = int(wv.shape[0]), int(wv.shape[1])
+    # Below fp32, the weight gradient's chunk product is made in the compute dtype, then widened.
+    product = vocab * width * (hv.dtype.itemsize + 4) if hv.dtype.itemsize < 4 and node.args[7][1] else 0
+    return chunk * row_bytes(vocab=vocab, dtype=hv.dtype) + product
 
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
