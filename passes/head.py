@@ -40,6 +40,7 @@ it is, and the reason is recorded (HeadReport.reasons).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from dataclasses import dataclass, field
@@ -301,12 +302,9 @@ def head_pass(gm: torch.fx.GraphModule, *, keep_logits: bool = True, chunk_bytes
         graph.eliminate_dead_code()
         graph.lint()
         gm.recompile()
-        report.heads = [replace_logits_kept(h, bool(_logits_outputs(graph))) for h in report.heads]
+        kept = bool(_logits_outputs(graph))
+        report.heads = [dataclasses.replace(h, logits_kept=kept) for h in report.heads]
     return report
-
-
-def replace_logits_kept(head: Head, kept: bool) -> Head:
-    return Head(**{**head.__dict__, "logits_kept": kept})
 
 
 def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, *, chunk_bytes: int, report: HeadReport) -> str:
@@ -360,8 +358,6 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, *, chunk_bytes: int, r
         loss = graph.call_method("to", (total, _value(ce).dtype)) if _value(ce).dtype != torch.float32 else total
     ce.replace_all_uses_with(loss)
     graph.erase_node(ce)
-    for n in (op, total, loss):
-        n.meta["ckpt_fx_head"] = True
     report.heads.append(Head(tokens=size_hint(xv.shape[0]), vocab=int(vocab), hidden=int(width), chunk_rows=int(chunk),
                              dtype=dtype, upcast=upcast, weight_grad=grads[1], logits_kept=True))
     return ""
