@@ -202,7 +202,8 @@ class FitReport:
                           if fixed > self.memory_bytes else ""))
             out.extend(f"  would fit: {s}" for s in self.suggestions)
         out.append("planned for the eager inner compiler; step times are a roofline (peak FLOP/s, the copies at "
-                   "torch's host bandwidth); peaks exclude the CUDA context and allocator fragmentation")
+                   "torch's host bandwidth); peaks exclude the CUDA context and allocator fragmentation; "
+                   "as under ckpt_fx.enable, the loss head runs in chunks and a call with labels returns no logits")
         return "\n".join(out)
 
 

@@ -21,9 +21,10 @@ POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0")
 def measured_step_peak(model: torch.nn.Module, args: tuple, kwargs: dict, *, policy: str, precision: str) -> int:
     """Bytes live at the peak of a real training step: what exists before it (weights, buffers,
     AdamW's state) plus the peak the step allocates above that (ckpt_fx.measure). The model's
-    outputs are held until the backward ends, as fit() assumes."""
+    outputs are held until the backward ends, and a chunked head's logits are not returned, as
+    fit() assumes (as enable runs a training call with labels)."""
     model = copy.deepcopy(model).train()
-    compiled = torch.compile(model, backend="ckpt", options={"policy": policy, "compiler": "eager"})
+    compiled = torch.compile(model, backend="ckpt", options={"policy": policy, "compiler": "eager", "logits": "drop"})
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
 
