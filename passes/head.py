@@ -20,7 +20,9 @@ incoming gradient (a scalar: the loss is a sum, or a sum divided by a count). Re
 chunk's logits in the backward instead would cost one more projection of every token, a third of
 the head's work again, and save nothing: the gradients formed early are the hidden states' size
 and the weight's, which the backward would allocate anyway. So the op keeps what the head's
-backward needs and no more: the gradients, and neither the logits nor the hidden states.
+backward needs and no more: the gradients, and neither the logits nor the hidden states. A head
+is rewritten only where that, with one chunk's temporaries, is less than the whole head keeps (a
+head whose tokens fit in one chunk gains nothing, and stays whole).
 
 Exactness: a chunk's rows are computed as the whole head computes them (the same projection, the
 same fp32 log-softmax when the model upcasts), so the loss per token and the hidden states'
@@ -56,6 +58,9 @@ its input: a classifier over a few classes is left as it is (nothing to gain).""
 CHUNK_BYTES = 32 * 2**20
 """What one chunk's temporaries may take (row_bytes per row), unless MIN_ROWS rows take more:
 small beside what a checkpointed step keeps."""
+SMALLER_ONLY = True
+"""Rewrite a head only where its chunks keep less than the whole head (Note [The loss head in
+chunks]); the tests of the op's exactness turn it off to chunk heads of any size."""
 MIN_ROWS = 256
 """Rows per chunk at least: each chunk's projection reads the whole weight, so a chunk of fewer
 rows than this does too little work per byte of weight read for a matrix unit to be busy (on
@@ -92,6 +97,7 @@ def linear_cross_entropy(
             picked = wide.gather(1, safe.unsqueeze(1)).squeeze(1)
             loss += torch.where(kept, lse - picked, 0.0).sum()
             if not (want_hidden or want_weight or want_bias):
+                del logits, wide
                 continue
             # d loss / d logits of this chunk: softmax minus the target's one-hot, zero where ignored.
             grad = wide.sub_(lse.unsqueeze(1)).exp_() if wide is not logits else (wide - lse.unsqueeze(1)).exp_()
@@ -104,12 +110,16 @@ def linear_cross_entropy(
                     torch.mm(grad, weight, out=d_hidden[start:start + chunk_rows])
                 if want_weight:
                     d_weight.addmm_(grad.t(), h)
+                del logits, wide, grad
                 continue
             grad_low = grad.to(logits.dtype)  # as the whole head's backward casts before its products
             if want_hidden:
                 d_hidden[start:start + chunk_rows] = grad_low @ weight
             if want_weight:
                 d_weight += (grad_low.t() @ h).float()
+            del grad_low
+            # The chunk's temporaries go before the next chunk's are made (row_bytes counts one chunk's).
+            del logits, wide, grad
     return loss, d_hidden, d_weight, d_bias
 
 
@@ -339,6 +349,13 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, *, chunk_bytes: int, r
         return f"a projection from {width} to {vocab} is no vocabulary head (under {WIDE}x wider)"
     dtype = lv.dtype
     grads = [bool(hv.requires_grad), bool(wv.requires_grad), bool(b is not None and _value(b).requires_grad)]
+    chunk = chunk_rows_for(vocab=vocab, dtype=dtype, chunk_bytes=chunk_bytes, min_rows=MIN_ROWS)
+    head = Head(tokens=size_hint(xv.shape[0]), vocab=int(vocab), hidden=int(width), chunk_rows=int(chunk),
+                dtype=dtype, upcast=upcast, weight_grad=grads[1], logits_kept=True)
+    if SMALLER_ONLY and head.kept_bytes + head.chunk_bytes >= head.whole_bytes:
+        # Note [The loss head in chunks]: only where it keeps less.
+        return (f"in chunks of {chunk} rows it would keep {head.kept_bytes + head.chunk_bytes} bytes at once, "
+                f"no fewer than the {head.whole_bytes} the whole head keeps ({head.tokens} tokens)")
     graph = gm.graph
     with graph.inserting_before(ce):
         for s in slicings:
@@ -347,7 +364,6 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, *, chunk_bytes: int, r
         cast = lambda v, vv: graph.call_method("to", (v, dtype)) if vv.dtype != dtype else v  # noqa: E731
         rows, w_in = cast(rows, hv), cast(w, wv)
         b_in = cast(b, _value(b)) if b is not None else None
-        chunk = chunk_rows_for(vocab=vocab, dtype=dtype, chunk_bytes=chunk_bytes, min_rows=MIN_ROWS)
         op = graph.call_function(torch.ops.ckpt_fx.linear_cross_entropy.default,
                                  (rows, w_in, b_in, target, args["ignore_index"], chunk, upcast, grads))
         total = graph.call_function(operator.getitem, (op, 0))
@@ -358,8 +374,7 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, *, chunk_bytes: int, r
         loss = graph.call_method("to", (total, _value(ce).dtype)) if _value(ce).dtype != torch.float32 else total
     ce.replace_all_uses_with(loss)
     graph.erase_node(ce)
-    report.heads.append(Head(tokens=size_hint(xv.shape[0]), vocab=int(vocab), hidden=int(width), chunk_rows=int(chunk),
-                             dtype=dtype, upcast=upcast, weight_grad=grads[1], logits_kept=True))
+    report.heads.append(head)
     return ""
 
 

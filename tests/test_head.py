@@ -63,6 +63,7 @@ def _check_bound(*, batch, seq, rows, ignored, tied, autocast, upcast, reduction
     dtype = torch.bfloat16 if autocast else torch.float32
     monkeypatch.setattr(head, "CHUNK_BYTES", rows * _per_row(dtype))
     monkeypatch.setattr(head, "MIN_ROWS", 1)
+    monkeypatch.setattr(head, "SMALLER_ONLY", False)  # the op's exactness, on heads of any size
     torch._dynamo.reset()  # each example a fresh model: no recompile limit across examples
     exact = copy.deepcopy(model).double()
     ref = _step(exact, exact, ids, labels, autocast=False)
@@ -115,6 +116,7 @@ def test_dynamic_batch_is_served_by_one_chunked_graph(monkeypatch):
     """After a new batch size the dynamic graph keeps its chunked head, and stays exact."""
     monkeypatch.setattr(head, "CHUNK_BYTES", 3 * _per_row(torch.float32))
     monkeypatch.setattr(head, "MIN_ROWS", 1)
+    monkeypatch.setattr(head, "SMALLER_ONLY", False)
     torch.manual_seed(0)
     model = TinyLM(tied=False, upcast=True, reduction="mean")
     backend = ckpt_fx.backend(compiler="eager")
@@ -162,16 +164,36 @@ def test_bad_head_and_logits_options_are_refused_with_the_valid_ones():
         ckpt_fx.backend(logits="no")
 
 
-def test_the_plan_and_explain_show_a_head_row_and_the_prediction_counts_its_chunk():
+def test_the_plan_and_explain_show_a_head_row_and_the_prediction_counts_its_chunk(monkeypatch):
     """The built-in LLaMA-style model: its head is chunked, explain prints the head's row, and the
     predicted step peak is within 10% of the measured one."""
+    _small_chunks(monkeypatch, 64)
     torch.manual_seed(0)
     model = build("llama", layers=2, dim=32, heads=2, vocab=2000).train()
     ids = torch.randint(0, 2000, (4, 64))
     report = ckpt_fx.explain(model, ids, ids, compiler="eager", measure=True)
     text = str(report)
-    assert "loss head: 256 tokens x 2000 vocabulary in 1 chunks" in text
+    assert "loss head: 256 tokens x 2000 vocabulary in 4 chunks of 64 rows" in text
     assert abs(report.predicted_peak_bytes - report.measured_peak_bytes) <= 0.10 * report.measured_peak_bytes
+
+
+def _small_chunks(monkeypatch, rows: int) -> None:
+    """Chunks of `rows` rows, so that a small test model's head is chunked at all."""
+    monkeypatch.setattr(head, "MIN_ROWS", rows)
+    monkeypatch.setattr(head, "CHUNK_BYTES", 0)
+
+
+def test_a_head_whose_tokens_fit_one_chunk_stays_whole_and_says_why():
+    """Only where chunks keep less: 32 tokens in one chunk of the default size would keep the
+    gradients and every row's temporaries, more than the whole head; it is left whole, with why."""
+    model = _hf_llama()
+    ids = torch.randint(0, 4000, (2, 16))
+    backend = ckpt_fx.backend(compiler="eager")
+    out = torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert backend.plans[0].heads == ()
+    assert any("no fewer than" in r and "(32 tokens)" in r for r in backend.plans[0].head_reasons), \
+        backend.plans[0].head_reasons
 
 
 def _hf_llama(vocab=4000):
@@ -183,10 +205,11 @@ def _hf_llama(vocab=4000):
     return transformers.LlamaForCausalLM(config).train()
 
 
-def test_enable_chunks_a_causal_lms_head_and_drops_its_logits_only_in_training_calls_with_labels():
+def test_enable_chunks_a_causal_lms_head_and_drops_its_logits_only_in_training_calls_with_labels(monkeypatch):
     """Note [The loss head under enable], Note [Logits in training calls]: a training call with
     labels returns the loss (equal to the model's own) and logits=None, with a chunked head in its
     plan; without labels, or in eval, the logits are there; disable restores both forwards."""
+    _small_chunks(monkeypatch, 8)
     model = _hf_llama()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 4000, (2, 16))
@@ -221,8 +244,7 @@ def test_enable_with_head_whole_leaves_the_head_outside_as_before():
 def test_a_chunked_head_lowers_the_measured_step_peak_under_enable(monkeypatch):
     """Memory measured, not inferred: a causal LM whose vocabulary is 250x its width, HF's own
     checkpointing against enable with the head in chunks of 64 rows (eager inner compiler)."""
-    monkeypatch.setattr(head, "MIN_ROWS", 64)
-    monkeypatch.setattr(head, "CHUNK_BYTES", 0)
+    _small_chunks(monkeypatch, 64)
 
     model = _hf_llama(vocab=8000)
     ids = torch.randint(0, 8000, (4, 128))
@@ -239,3 +261,16 @@ def test_a_chunked_head_lowers_the_measured_step_peak_under_enable(monkeypatch):
 
     ours, theirs = peak(model), peak(hf)
     assert ours <= 0.5 * theirs, (ours, theirs)
+
+
+def test_the_head_bench_prints_each_setup_with_measured_ratios(capsys, monkeypatch):
+    """python -m ckpt_fx.bench.head on a small Llama: a row per setup, the chunked head's measured
+    peak below the whole head's."""
+    from ckpt_fx.bench import head as bench_head
+
+    _small_chunks(monkeypatch, 32)
+    bench_head.main(["--layers", "2", "--dim", "32", "--vocab", "4000", "--batch", "2", "--seq", "128", "--rounds", "1"])
+    rows = {line.split("|")[1].strip(): line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| HF") or line.startswith("| ckpt-fx")}
+    assert {"HF checkpointing", "ckpt-fx, head whole", "ckpt-fx, head chunked"} <= set(rows)
+    assert float(rows["ckpt-fx, head chunked"][2]) < float(rows["ckpt-fx, head whole"][2])

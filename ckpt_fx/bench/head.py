@@ -1,5 +1,7 @@
 """The loss head, measured: a transformers Llama trained through `enable` with the head chunked and
-with it whole, beside Hugging Face's own checkpointing; peaks of a real step, step times taken
+with it whole, beside Hugging Face's own checkpointing, and beside HF's checkpointing with a peer's
+loss head where it is installed (torchtune's chunked-output cross-entropy; cut-cross-entropy's
+PyTorch implementation, the one that runs on a CPU); peaks of a real step, step times taken
 interleaved (one step of each setup in turn, rounds of them), printed as ratios to HF's.
 
     python -m ckpt_fx.bench.head                      # Llama 8 x 256, vocabulary 32000, batch 4 x 512
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,14 +25,72 @@ import ckpt_fx
 from ckpt_fx.bench.workloads import hf_workload
 
 
-def setups(model: torch.nn.Module, *, compiler: str) -> dict[str, torch.nn.Module]:
-    """HF's checkpointing, and enable's default policy with the head whole and chunked."""
+def _hf(model: torch.nn.Module) -> torch.nn.Module:
     hf = copy.deepcopy(model)
     hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return hf
+
+
+def _torchtune_loss() -> Any | None:
+    """torchtune's CEWithChunkedOutputLoss class, read from its own file (the package's __init__
+    asks for torchao, which the loss does not use); None where torchtune is not installed."""
+    spec = importlib.util.find_spec("torchtune")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "modules" / "loss" / "ce_chunked_output_loss.py"
+    module_spec = importlib.util.spec_from_file_location("torchtune_ce_chunked_output_loss", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.CEWithChunkedOutputLoss
+
+
+def _peer_steps(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, tuple[torch.nn.Module, Callable[[], None]]]:
+    """HF's checkpointing on the blocks with a peer's loss head in place of the model's, for each
+    peer installed: the backbone's hidden states, shifted as the model's own loss shifts, then the
+    peer's loss over the head's weight."""
+    peers = {}
+    ids, labels = kwargs["input_ids"], kwargs["labels"]
+    chunked_loss = _torchtune_loss()
+    if chunked_loss is not None:
+        tt = _hf(model)
+        loss_fn = chunked_loss(num_output_chunks=8)
+
+        def torchtune_step() -> None:
+            h = tt.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+            logits = [tt.lm_head(c) for c in h.chunk(loss_fn.num_output_chunks, dim=1)]
+            target = labels[:, 1:]
+            (loss_fn(logits, target) / (target != -100).sum()).backward()
+
+        peers["HF checkpointing + torchtune chunked CE (8)"] = (tt, torchtune_step)
+    if importlib.util.find_spec("cut_cross_entropy") is not None:
+        from cut_cross_entropy import linear_cross_entropy
+
+        cce = _hf(model)
+
+        def cce_step() -> None:
+            h = cce.model(input_ids=ids, use_cache=False).last_hidden_state
+            linear_cross_entropy(h, cce.lm_head.weight, labels, shift=True, impl="torch_compile").backward()
+
+        peers["HF checkpointing + cut-cross-entropy (torch_compile)"] = (cce, cce_step)
+    return peers
+
+
+def setups(model: torch.nn.Module, kwargs: dict[str, Any], *, compiler: str) -> dict[str, Callable[[], None]]:
+    """HF's checkpointing, enable's default policy with the head whole and chunked, and the peers
+    installed: each a training step."""
     whole, chunked = copy.deepcopy(model), copy.deepcopy(model)
     ckpt_fx.enable(whole, compiler=compiler, head="whole")
     ckpt_fx.enable(chunked, compiler=compiler)
-    return {"HF checkpointing": hf, "ckpt-fx, head whole": whole, "ckpt-fx, head chunked": chunked}
+
+    def step(m: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            m(**kwargs).loss.backward()
+        return run
+
+    steps = {"HF checkpointing": step(_hf(model)), "ckpt-fx, head whole": step(whole),
+             "ckpt-fx, head chunked": step(chunked)}
+    steps.update({name: run for name, (_, run) in _peer_steps(model, kwargs).items()})
+    return steps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,28 +105,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     work = hf_workload("LlamaConfig", layers=args.layers, dim=args.dim, vocab=args.vocab, batch=args.batch, seq=args.seq)
     kwargs = {k: v for k, v in work.kwargs.items() if k != "use_cache"}  # each setup's own switch decides
-    models = setups(work.model, compiler=args.compiler)
-
-    def step(m: torch.nn.Module) -> Callable[[], None]:
-        def run() -> None:
-            m(**kwargs).loss.backward()
-        return run
-
+    steps = setups(work.model, kwargs, compiler=args.compiler)
     peaks = {}
-    for name, m in models.items():
-        step(m)()  # compiles, and the gradients exist before the measured step, as in training
-        peaks[name] = ckpt_fx.peak_bytes(step(m))
-    times: dict[str, list[float]] = {name: [] for name in models}
+    for name, run in steps.items():
+        run()  # compiles, and the gradients exist before the measured step, as in training
+        peaks[name] = ckpt_fx.peak_bytes(run)
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
-        for name, m in models.items():
+        for name, run in steps.items():
             start = time.perf_counter()
-            step(m)()
+            run()
             times[name].append(time.perf_counter() - start)
     base = "HF checkpointing"
     print(f"{work.name}, torch {torch.__version__}, inner compiler {args.compiler}, {args.rounds} interleaved rounds")
     print("| setup | peak MB | peak vs HF | step s (median) | step vs HF | step vs head whole |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name in models:
+    for name in steps:
         t = statistics.median(times[name])
         print(f"| {name} | {peaks[name] / 2**20:.1f} | {peaks[name] / peaks[base]:.3f} | {t:.3f} | "
               f"{t / statistics.median(times[base]):.3f} | {t / statistics.median(times['ckpt-fx, head whole']):.3f} |")
