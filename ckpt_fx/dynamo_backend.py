@@ -417,6 +417,16 @@ def _counted(compiled: Callable[..., Any], runs: list[int], index: int) -> Calla
     return counted
 
 
+def advisory_logging() -> tuple:
+    """The logging calls explain and enable trace as no-ops (Note [Logging calls under explain] in
+    ckpt_fx/report.py): transformers' `Logger.warning_once`, where
+    transformers is imported (it adds the method to logging.Logger)."""
+    import logging
+
+    once = getattr(logging.Logger, "warning_once", None)
+    return (once,) if once is not None else ()
+
+
 def _with_none_at(compiled: Callable[..., Any], indices: tuple[int, ...]) -> Callable[..., Any]:
     """`compiled`, its outputs with None put back at `indices` (outputs head_pass removed, which
     dynamo's code after the graph still expects); called as `compiled` is (boxed or not)."""

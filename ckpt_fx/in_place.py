@@ -71,7 +71,8 @@ from typing import Any
 import torch
 
 from ckpt_fx import policies
-from ckpt_fx.dynamo_backend import LOGITS, CkptBackend, backend
+from ckpt_fx.dynamo_backend import LOGITS, CkptBackend, advisory_logging, backend
+from passes._compat import logging_calls_ignored
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,10 @@ def _with_head(top: torch.nn.Module, module: torch.nn.Module, chosen: CkptBacken
                 kwargs["use_cache"] = False  # Note [A training step's KV cache]
             whole_model[0] = True
             try:
-                return compiled(*args, **kwargs)
+                # transformers' loss functions log once per call (GPT-2's): traced as no-ops, not
+                # as a graph break between the head's projection and its cross-entropy.
+                with logging_calls_ignored(advisory_logging()):
+                    return compiled(*args, **kwargs)
             finally:
                 whole_model[0] = False
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ckpt_fx import policies
-from ckpt_fx.dynamo_backend import CkptBackend, Options
+from ckpt_fx.dynamo_backend import CkptBackend, Options, advisory_logging
 from ckpt_fx.measure import peak_bytes
 from passes._compat import logging_calls_ignored, no_fx_graph_cache, pytree
 from passes import Plan, step_peak_bytes
@@ -172,7 +172,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
     cuda = [device.index or 0] if device.type == "cuda" else []
     # A plan served from Inductor's FX graph cache would not be made again: nothing to report.
-    with torch.random.fork_rng(devices=cuda), no_fx_graph_cache(), logging_calls_ignored(_advisory_logging()):
+    with torch.random.fork_rng(devices=cuda), no_fx_graph_cache(), logging_calls_ignored(advisory_logging()):
         # Every graph's plan is made when its forward compiles: the backward is run only to be
         # measured (a warm step first).
         step(compiled, backward=measure)
@@ -212,18 +212,9 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
 # to place the break. The call computes nothing, so explain traces it as a call that does
 # nothing: the step is one graph, as a model whose forward logs nothing traces, and is traced
 # once (the README's explain timings). Its message is not printed by explain's compiled step.
-# `enable` compiles the backbone, whose layers such calls are rarely in (GPT-2's is in its LM
-# head, which runs outside the compiled backbone); torch.compile(model, backend="ckpt") traces
+# `enable` compiles the backbone, whose layers such calls are rarely in, and traces a causal LM's
+# training calls with labels (GPT-2's loss among them) the same way; torch.compile(model, backend="ckpt") traces
 # the model as Dynamo's own settings say (the README's Known limits).
-
-
-def _advisory_logging() -> tuple:
-    """The logging calls explain traces as no-ops: transformers' `Logger.warning_once`, where
-    transformers is imported (it adds the method to logging.Logger)."""
-    import logging
-
-    once = getattr(logging.Logger, "warning_once", None)
-    return (once,) if once is not None else ()
 
 
 _calls = itertools.count()

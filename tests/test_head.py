@@ -274,3 +274,28 @@ def test_the_head_bench_prints_each_setup_with_measured_ratios(capsys, monkeypat
             if line.startswith("| HF") or line.startswith("| ckpt-fx")}
     assert {"HF checkpointing", "ckpt-fx, head whole", "ckpt-fx, head chunked"} <= set(rows)
     assert float(rows["ckpt-fx, head chunked"][2]) < float(rows["ckpt-fx, head whole"][2])
+
+
+def test_gpt2s_tied_head_is_chunked_under_enable_despite_its_loss_logging(monkeypatch):
+    """transformers' GPT-2 logs from its loss function on every call; enable traces that call as a
+    no-op, so the tied head (its weight the token embedding's) is found and chunked, and the loss
+    and gradients match the model's own (fp32, dropout off)."""
+    import transformers
+
+    _small_chunks(monkeypatch, 16)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=4000, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 4000, (2, 32))
+    backend = ckpt_fx.enable(model, compiler="eager")
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    expected = reference(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    assert len(backend.plans) == 1 and len(backend.plans[0].heads) == 1
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.allclose(out.loss, expected.loss, rtol=1e-5)
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, r.grad, rtol=1e-4, atol=1e-6)
