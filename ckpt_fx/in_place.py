@@ -169,8 +169,10 @@ def _with_head(top: torch.nn.Module, module: torch.nn.Module, chosen: CkptBacken
         if kwargs.get("labels") is None or not (self.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         with _own_checkpointing_off(module) as units:
-            # The graph is the whole model's: its units are named from it.
-            chosen.checkpointed_by_model = tuple(f"{prefix}.{u}" for u in units)
+            # A whole-model graph names its units from the model; where dynamo breaks the graph
+            # before the blocks (peft's input-grad hook on the embedding), the frame it resumes
+            # in is the backbone's, which names them from the backbone: each graph keeps its own.
+            chosen.checkpointed_by_model = tuple(f"{prefix}.{u}" for u in units) + units
             if takes_use_cache and (units or kwargs.get("use_cache") is None):
                 kwargs["use_cache"] = False  # Note [A training step's KV cache]
             whole_model[0] = True

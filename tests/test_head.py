@@ -299,3 +299,29 @@ def test_gpt2s_tied_head_is_chunked_under_enable_despite_its_loss_logging(monkey
     assert torch.allclose(out.loss, expected.loss, rtol=1e-5)
     for p, r in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(p.grad, r.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_lora_models_frozen_head_is_chunked_with_hfs_switch_on(monkeypatch):
+    """peft LoRA on every linear layer, HF's checkpointing switched on first (peft's input-grad hook
+    on the embedding breaks dynamo's graph there): the blocks' graph still reports the units the
+    model's switch covered, the frozen head is chunked without a weight gradient, and the loss and
+    gradients match the model's own."""
+    peft = pytest.importorskip("peft")
+    _small_chunks(monkeypatch, 32)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_hf_llama(vocab=8000), peft.LoraConfig(r=8, target_modules="all-linear")).train()
+    reference = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    backend = ckpt_fx.enable(model, compiler="eager")
+    ids = torch.randint(0, 8000, (2, 64))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    expected = reference(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    heads = [h for p in backend.plans for h in p.heads]
+    assert len(heads) == 1 and not heads[0].weight_grad and out.logits is None
+    assert any(p.checkpointed_by_model == ("layers.0", "layers.1") for p in backend.plans)
+    assert torch.allclose(out.loss, expected.loss, rtol=1e-5)
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (r.grad is None)
+        assert p.grad is None or torch.allclose(p.grad, r.grad, rtol=1e-4, atol=1e-6)
