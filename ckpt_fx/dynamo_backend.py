@@ -353,15 +353,13 @@ class CkptBackend:
         files = sorted((root / "passes").glob("*.py")) + [root / "ckpt_fx" / "policies.py"]
         return f"ckpt_fx:{spec}:strict={self.options.strict}:{cache_hash(tuple(map(str, files)))}"
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *, logits: str | None = None):
-        """Compile one graph dynamo hands over. `logits`: "keep" or "drop" for this graph, in place
-        of the option (enable drops them in training calls with labels)."""
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
         planned = len(self.plans)
         # Note [The loss head in chunks] in passes/head.py: only where gradients are recorded (an
         # inference graph keeps nothing for a backward).
         self.head_report = HeadReport()
         if self.options.head == "chunked" and torch.is_grad_enabled():
-            self.head_report = head_pass(gm, keep_logits=(logits or self.options.logits) == "keep")
+            self.head_report = head_pass(gm, keep_logits=self.options.logits == "keep")
         if self.options.compiler == "inductor":
             compile_fn = inductor_with_partitioner(self.partition, self.cache_key(), kernels=self.kernels)
         else:

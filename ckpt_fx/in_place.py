@@ -60,7 +60,6 @@ names the cost; generate, under no_grad, keeps its cache.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import types
 import weakref
@@ -71,7 +70,7 @@ from typing import Any
 import torch
 
 from ckpt_fx import policies
-from ckpt_fx.dynamo_backend import LOGITS, CkptBackend, advisory_logging, backend
+from ckpt_fx.dynamo_backend import CkptBackend, advisory_logging, backend
 from passes._compat import logging_calls_ignored
 
 
@@ -107,9 +106,9 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"enable: expected a torch.nn.Module, got {type(model).__name__}")
-    chosen = backend(policy=policy, compiler=compiler, strict=strict, head=head)  # every option checked here, now
-    if logits not in LOGITS:
-        raise ValueError(f"enable: logits must be one of {', '.join(map(repr, LOGITS))}, got {logits!r}")
+    # Every option checked here, now. `logits` acts only on a graph whose head was chunked: the
+    # whole-model graphs of training calls with labels (the backbone's have no head).
+    chosen = backend(policy=policy, compiler=compiler, strict=strict, head=head, logits=logits)
     disable(model)
     module = backbone(model)
     own = module.__dict__.get("forward")
@@ -139,7 +138,7 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
     top = _head_module(model, module) if head == "chunked" else None
     if top is not None:
         switched.append((top, top.__dict__.get("forward")))
-        top.forward = _with_head(top, module, chosen, logits=logits, dynamic=dynamic, whole_model=whole_model)
+        top.forward = _with_head(top, module, chosen, dynamic=dynamic, whole_model=whole_model)
     _ENABLED[model] = _Switched(backend=chosen, forwards=tuple(switched))
     return chosen
 
@@ -155,12 +154,12 @@ def _head_module(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Mo
     return None
 
 
-def _with_head(top: torch.nn.Module, module: torch.nn.Module, chosen: CkptBackend, *, logits: str,
-               dynamic: bool | None, whole_model: list[bool]) -> Any:
+def _with_head(top: torch.nn.Module, module: torch.nn.Module, chosen: CkptBackend, *, dynamic: bool | None,
+               whole_model: list[bool]) -> Any:
     """`top`'s forward switched: training calls with labels run compiled whole (Note [The loss head
     under enable]), the rest as they did."""
     original = top.forward
-    compiled = torch.compile(original, backend=functools.partial(chosen, logits=logits), dynamic=dynamic)
+    compiled = torch.compile(original, backend=chosen, dynamic=dynamic)
     signature = inspect.signature(original)
     takes_use_cache = "use_cache" in signature.parameters
     prefix = next(name for name, m in top.named_modules() if m is module)
