@@ -346,8 +346,9 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
         return inductor_schedule(copy_graph_module(gm), **kwargs)
 
     try:
-        forward = schedule(fw, True, is_backward=False)
-        backward = schedule(_restrided(bw, fw, forward[4]), by_block, is_backward=True, donated=donated)
+        with _without_guards(fw):  # Note [Predicting adds no guards]
+            forward = schedule(fw, True, is_backward=False)
+            backward = schedule(_restrided(bw, fw, forward[4]), by_block, is_backward=True, donated=donated)
     except Exception as error:  # noqa: BLE001 - any failure: the walk's own prediction stands
         log.info("ckpt_fx: Inductor's schedule unavailable (%s: %s); the memory pass predicts fusion itself",
                  type(error).__name__, error)
@@ -409,6 +410,25 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
                 value = node.meta["val"]
                 node.meta = {**node.meta, "val": value.as_strided(value.shape, changed[node.name])}
     return copy
+
+
+# Note [Predicting adds no guards]
+# Lowering a graph with Inductor records guards on its symbolic sizes in the shape environment
+# dynamo traced it with: the graphs the prediction lowers (a block's segment, a backward given the
+# forward's strides, a candidate plan) are not the graph that runs, and a guard one of them adds
+# (comparing a symbolic stride with its hint) specializes the size for good. Dynamo then compiled
+# every new sequence length under Inductor as a static graph until its recompile limit, and the
+# step ran without a plan. A prediction reads sizes at their hints and adds nothing.
+
+
+def _without_guards(gm: torch.fx.GraphModule):
+    """A context in which the shape environment of gm's fake inputs records no guards (none for
+    a graph of static shapes)."""
+    from torch._guards import detect_fake_mode
+
+    fake = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    shape_env = getattr(fake, "shape_env", None)
+    return shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
 
 
 def _results(graph: torch.fx.Graph) -> tuple:

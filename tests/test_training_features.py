@@ -124,3 +124,27 @@ def test_double_backward_fails_with_a_clear_message():
     grads = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
     with pytest.raises(RuntimeError, match="does not currently support double backward"):
         sum(g.pow(2).sum() for g in grads).backward()
+
+
+def test_under_inductor_one_graph_and_one_plan_serve_every_sequence_length():
+    """Note [Predicting adds no guards] in passes/inductor_memory.py: Inductor's memory prediction
+    lowers graphs that never run; a guard it added specialized the sequence length, and dynamo
+    compiled a static graph per length. Planned as Inductor plans (no kernels generated), a dynamic
+    compile serves every length with one plan."""
+    from ckpt_fx.dynamo_backend import CkptBackend, Options
+    from passes._compat import has_inductor_partitioner_hook
+    from passes.plan import PeakModel
+
+    if not has_inductor_partitioner_hook():
+        pytest.skip("no custom_partitioner_fn in this torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    b = CkptBackend(Options(policy=ckpt_fx.policies.parse(EVERY), compiler="inductor"), kernels=False)
+    fn = torch.compile(model, backend=b, dynamic=True)
+    for length in (16, 24, 40):
+        ids = torch.randint(0, 128, (2, length))
+        fn(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert len(b.plans) == 1 and b.plans[0].symbols and b.plans[0].peak_model == PeakModel.INDUCTOR
