@@ -171,6 +171,10 @@ class CkptBackend:
         self.kernels = kernels
         self.runs: list[int] = []
         """With count_runs: the index in `plans` of each graph's forward run, in order."""
+        self.graph_runs = 0
+        """How many times a graph this backend compiled has run (forwards; enable reads it to tell a
+        training call that ran uncompiled, Note [A training call without its plan] in
+        ckpt_fx/in_place.py)."""
         self._count_runs = count_runs
         self.plans: list[Plan] = []
         self.checkpointed_by_model: tuple[str, ...] = ()
@@ -270,7 +274,7 @@ class CkptBackend:
             return
         total = sum(nbytes for _, nbytes in plan.held_outputs)
         shown = ", ".join(paths[:3] + (["..."] if len(paths) > 3 else []))
-        self._warn_once(
+        self.warn_once(
             f"ckpt_fx: the model returns {len(plan.held_outputs)} tensors computed inside checkpointed blocks "
             f"({format_size(total, digits=1)}; {shown}): they stay alive from the forward to the backward whatever the "
             "policy. For a Hugging Face model this is its KV cache: call it with use_cache=False (or set "
@@ -286,12 +290,12 @@ class CkptBackend:
         stayed = [n.meta.get(PATH_KEY) or n.name for n in fw.graph.output_node().args[0][num_fwd_outputs:]
                   if isinstance(n, torch.fx.Node) and n.meta.get(OFFLOAD_KEY)]
         if plan.offloaded and (self.device or graph_device(joint)) == "cpu":
-            self._warn_once(
+            self.warn_once(
                 f"ckpt_fx: {name} keeps {len(plan.offloaded)} saved values ({format_size(plan.offloaded_bytes)}) in host "
                 "memory, but this graph runs on the CPU: there is no device memory to free, so offloading saves nothing "
                 "here (the plan runs as planned and its gradients are exact; on a GPU it lowers the device's peak)")
         if stayed:
-            self._warn_once(
+            self.warn_once(
                 f"ckpt_fx: {name} asked to offload {len(stayed) + len(plan.offloaded)} saved values of this graph; "
                 f"{len(stayed)} stay on the device, as torch's offload pass moves only values an op made that are "
                 "contiguous, not views or a tuple's elements, and not returned by the graph (in "
@@ -304,14 +308,14 @@ class CkptBackend:
         left = [u for u in plan.checkpointed_by_model if u not in recomputed]
         if left:
             shown = ", ".join(left[:4]) + (" ..." if len(left) > 4 else "")
-            self._warn_once(
+            self.warn_once(
                 f"ckpt_fx: the model checkpoints {len(plan.checkpointed_by_model)} units itself (torch.utils.checkpoint, "
                 f"e.g. Hugging Face's gradient checkpointing, which TRL turns on); {name} replaces that and recomputes "
                 f"{len(plan.checkpointed_by_model) - len(left)} of them, keeping more for the backward than the model's "
                 f"own plan would ({shown} not recomputed); policy 'blocks:every=1,skip_first=0' recomputes each of them")
         masks = sum(s.nbytes for s in plan.saved if s.kind == "dropout mask" and s.block in plan.checkpointed_by_model)
         if plan.checkpointed_by_model and masks:
-            self._warn_once(
+            self.warn_once(
                 f"ckpt_fx: the model checkpoints {len(plan.checkpointed_by_model)} units itself (torch.utils.checkpoint, "
                 f"e.g. Hugging Face's gradient checkpointing); {name} replaces that and keeps their dropout masks "
                 f"({format_size(masks)}, one byte per element), where torch.utils.checkpoint draws them again from a "
@@ -330,13 +334,14 @@ class CkptBackend:
             if not any(matches_path(p, (pattern,)) for p in paths):
                 units = [b.path for b in plan.blocks]
                 shown = ", ".join(units[:6] + (["..."] if len(units) > 6 else []))
-                self._warn_once(f"ckpt_fx: only_in pattern {pattern!r} matches no module of this graph; "
+                self.warn_once(f"ckpt_fx: only_in pattern {pattern!r} matches no module of this graph; "
                                 f"its units are {shown} (module paths like {paths[0]!r} ... {paths[-1]!r})")
         if not plan.recomputed and uses_blocks(policy):
-            self._warn_once(f"ckpt_fx: policy {name} recomputes nothing in a graph with blocks "
+            self.warn_once(f"ckpt_fx: policy {name} recomputes nothing in a graph with blocks "
                             f"{', '.join(b.path for b in plan.blocks[:6])}{' ...' if len(plan.blocks) > 6 else ''}")
 
-    def _warn_once(self, message: str) -> None:
+    def warn_once(self, message: str) -> None:
+        """warn_user(message), unless this backend said it before."""
         if message not in self._warned:
             self._warned.add(message)
             warn_user(message)
@@ -373,9 +378,7 @@ class CkptBackend:
         compiled = on_a_fresh_stack(lambda: compile_fn(gm, example_inputs))
         if self.head_report.dropped_outputs:
             compiled = _with_none_at(compiled, self.head_report.dropped_outputs)
-        if not self._count_runs or len(self.plans) != planned + 1:
-            return compiled
-        return _counted(compiled, self.runs, planned)
+        return _counted(compiled, self, planned if self._count_runs and len(self.plans) == planned + 1 else None)
 
     def plans_as_run(self) -> list[Plan]:
         """The plans in the order their graphs ran, each as often as it ran (with count_runs;
@@ -404,10 +407,13 @@ def backend(
                                **Options.merged(given)))
 
 
-def _counted(compiled: Callable[..., Any], runs: list[int], index: int) -> Callable[..., Any]:
-    """`compiled`, recording `index` in `runs` at each call; called as `compiled` is (boxed or not)."""
+def _counted(compiled: Callable[..., Any], backend: CkptBackend, index: int | None) -> Callable[..., Any]:
+    """`compiled`, counting its calls in backend.graph_runs and recording `index` (unless None) in
+    backend.runs at each; called as `compiled` is (boxed or not)."""
     def counted(*args, **kwargs):
-        runs.append(index)
+        backend.graph_runs += 1
+        if index is not None:
+            backend.runs.append(index)
         return compiled(*args, **kwargs)
 
     if getattr(compiled, "_boxed_call", False):

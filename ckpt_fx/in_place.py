@@ -55,6 +55,14 @@ not keep before. So enable passes use_cache=False to the compiled training calls
 caller asked for a cache (use_cache=True; a causal-LM head hands its own use_cache argument on,
 None when not given: the config's default), and then the backend's warning about held outputs
 names the cost; generate, under no_grad, keeps its cache.
+
+Note [A training call without its plan]
+torch.compile may run a call uncompiled: past dynamo's recompile limit (8 graphs per function: a
+static graph per input shape reaches it after 8 sequence lengths), or where it gave up on the
+frame. Such a call keeps every activation, and where the model's own checkpointing was on, enable
+had switched it off for the call: the step ran with less checkpointing than the model had. enable
+sees it after the call (no graph of its backend ran; CkptBackend.graph_runs) and says so once, with
+what to do; it cannot undo the step that ran.
 """
 
 from __future__ import annotations
@@ -105,7 +113,7 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
     >>> ckpt_fx.disable(model)                # the model as it was
     """
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"enable: expected a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(f"enable: expected a torch.nn.Module, got {type(model).__name__}")
     # Every option checked here, now. `logits` acts only on a graph whose head was chunked: the
     # whole-model graphs of training calls with labels (the backbone's have no head).
     chosen = backend(policy=policy, compiler=compiler, strict=strict, head=head, logits=logits)
@@ -131,7 +139,7 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
             # cache]); where the model's own switch was on, as it would have, whatever was asked.
             if use_cache_at is not None and len(args) <= use_cache_at and (units or kwargs.get("use_cache") is None):
                 kwargs["use_cache"] = False
-            return compiled(*args, **kwargs)
+            return _told_if_uncompiled(chosen, compiled, args, kwargs, units)
 
     module.forward = _bound_like(forward, original, module)
     switched = [(module, own)]
@@ -179,11 +187,31 @@ def _with_head(top: torch.nn.Module, module: torch.nn.Module, chosen: CkptBacken
                 # transformers' loss functions log once per call (GPT-2's): traced as no-ops, not
                 # as a graph break between the head's projection and its cross-entropy.
                 with logging_calls_ignored(advisory_logging()):
-                    return compiled(*args, **kwargs)
+                    return _told_if_uncompiled(chosen, compiled, args, kwargs, units)
             finally:
                 whole_model[0] = False
 
     return _bound_like(forward, original, top)
+
+
+def _told_if_uncompiled(chosen: CkptBackend, compiled: Any, args: tuple, kwargs: dict, units: tuple[str, ...]) -> Any:
+    """compiled(*args, **kwargs), with a warning (once) where none of `chosen`'s graphs ran in it
+    (Note [A training call without its plan])."""
+    before = chosen.graph_runs
+    result = compiled(*args, **kwargs)
+    if chosen.graph_runs == before:
+        import torch._dynamo.config as dynamo_config
+
+        own = (f", and without the model's own gradient checkpointing of its {len(units)} units, which enable "
+               "switches off for the calls it compiles") if units else ""
+        chosen.warn_once(
+            f"ckpt_fx: a training call ran uncompiled, without ckpt-fx's plan{own}: it kept every activation. "
+            f"torch.compile did not compile it: most often dynamo's recompile limit "
+            f"(torch._dynamo.config.recompile_limit = {dynamo_config.recompile_limit}) was reached, a static graph "
+            "compiled per input shape (TORCH_LOGS=recompiles shows why). Call ckpt_fx.enable(model, dynamic=True) "
+            "so one graph serves every sequence length and batch size, pad inputs to a few lengths, or raise "
+            "the limit")
+    return result
 
 
 def _bound_like(forward: Any, original: Any, module: torch.nn.Module) -> Any:
@@ -253,6 +281,8 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
 def disable(model: torch.nn.Module) -> None:
     """Undo enable: the model's forward is the one it had before (its compiled graphs go with the
     wrapper). Nothing happens to a model that is not enabled."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"disable: expected a torch.nn.Module, got {type(model).__name__}")
     switched = _ENABLED.pop(model, None)
     if switched is None:
         return
@@ -265,5 +295,7 @@ def disable(model: torch.nn.Module) -> None:
 
 def enabled(model: torch.nn.Module) -> CkptBackend | None:
     """The backend enable gave `model`, or None when it is not enabled."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"enabled: expected a torch.nn.Module, got {type(model).__name__}")
     switched = _ENABLED.get(model)
     return switched.backend if switched is not None else None

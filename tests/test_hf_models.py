@@ -169,6 +169,39 @@ def test_enable_keeps_no_kv_cache_in_training_calls_unless_asked_for():
     ckpt_fx.disable(model)
 
 
+def test_enable_says_once_when_a_training_call_ran_uncompiled():
+    """Note [A training call without its plan]: past dynamo's recompile limit a call runs
+    uncompiled, with HF's own checkpointing switched off by enable; enable says so, once, with
+    what to do; the calls before it say nothing."""
+    import torch._dynamo.config as dynamo_config
+
+    torch.manual_seed(0)
+    model = llama().train()
+    hf_checkpointing_enable(model, use_reentrant=False)
+    ckpt_fx.enable(model, compiler="eager", dynamic=False)
+
+    def said(length):
+        ids = torch.randint(0, 128, (2, length))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            model(input_ids=ids, labels=ids).loss.backward()
+        return [str(w.message) for w in record if "ran uncompiled" in str(w.message)]
+
+    with dynamo_config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        assert said(16) == []
+        (message,) = said(24)
+        assert "without the model's own gradient checkpointing of its 3 units" in message
+        assert "recompile_limit = 1" in message and "enable(model, dynamic=True)" in message
+        assert said(32) == []  # once
+    ckpt_fx.disable(model)
+
+
+def test_enable_and_disable_refuse_what_is_not_a_module():
+    for call in (ckpt_fx.enable, ckpt_fx.disable, ckpt_fx.enabled):
+        with pytest.raises(TypeError, match=r"expected a torch.nn.Module, got str"):
+            call("x")
+
+
 def test_hf_trainer_trains_a_model_compiled_in_place_and_saves_a_normal_checkpoint(tmp_path):
     """The HF Trainer trains a tiny Llama compiled in place with `model.compile(backend="ckpt")`
     (the README's path); the losses equal those of the run without checkpointing, and
