@@ -22,6 +22,8 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from passes._compat import CheckpointPolicy
 from passes.costs import OP_CLASSES, op_class
 from passes.policy import BudgetSpec, NamedPolicy, NodeInfo, Policy, matches_path, uses_blocks
@@ -205,6 +207,13 @@ def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_fir
         if item not in OP_CLASSES and close:
             raise ValueError(f"selective: save item {item!r} is not an op class (did you mean {close[0]!r}?); op classes: "
                              f"{', '.join(OP_CLASSES)}, or aten op names (aten.mm) or module path patterns (*.mlp.*)")
+        # A bare word names no op class and matches only a top-level module's exact path: a typo,
+        # not a pattern (a pattern has a dot or a wildcard).
+        if item not in OP_CLASSES and not item.startswith("aten.") and not any(c in item for c in ".*?["):
+            raise ValueError(f"selective: save item {item!r} is not an op class; op classes: {', '.join(OP_CLASSES)}, "
+                             f"or aten op names (aten.mm), or module path patterns with a dot or wildcard (*.{item}, *.mlp.*)")
+        if item.startswith("aten.") and not hasattr(torch.ops.aten, item.split(".")[1]):
+            raise ValueError(f"selective: save item {item!r} names no aten op (aten.mm, aten.bmm, aten.convolution, ...)")
     classes = {item for item in save if item in OP_CLASSES}
     ops = {item for item in save if item not in classes and item.startswith("aten.")}
     patterns = [item for item in save if item not in classes and item not in ops]

@@ -212,6 +212,11 @@ def test_selective_saves_expensive_ops_and_recomputes_the_rest():
     assert by_path(mm) == CheckpointPolicy.MUST_RECOMPUTE  # matmuls not listed: recomputed
     with pytest.raises(ValueError, match="save must be a non-empty list"):
         policies.selective(save=[])
+    with pytest.raises(ValueError, match=r"save item 'foo' is not an op class; op classes: matmul.*\*\.foo"):
+        policies.parse("selective:save=foo")
+    with pytest.raises(ValueError, match="save item 'aten.not_an_op' names no aten op"):
+        policies.selective(save=["aten.not_an_op"])
+    assert policies.policy_name(policies.parse("selective:save=aten.mm+*.mlp.*")).startswith("selective(save=('aten.mm', '*.mlp.*')")
 
 
 def test_selective_on_a_gpt_lowers_the_peak_with_little_recompute():
