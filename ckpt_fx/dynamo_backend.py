@@ -327,7 +327,15 @@ class CkptBackend:
         """Warn once when a policy matched nothing in a graph that has blocks, or when an only_in
         pattern names no module of it, listing the module paths that do exist."""
         if not plan.blocks:
-            return  # a graph without blocks (a loss after a graph break) proves nothing
+            # A graph without blocks after one with them (a loss after a graph break) proves
+            # nothing; the first graphs without any say that the policy has nothing to act on.
+            if uses_blocks(self.options.policy) and not any(p.blocks for p in self.plans) and plan.saved:
+                self.warn_once(
+                    f"ckpt_fx: policy {name} found no blocks in this graph (no stack of repeated modules: children "
+                    "named 0, 1, ... of one class, as in a ModuleList or Sequential; no submodules to use instead), "
+                    "so it recomputes nothing here. Policy 'graph' or a budget ('budget:0.5') plans op by op "
+                    "without blocks; only_in('name.*', policy) names the modules to checkpoint")
+            return
         paths = plan.module_paths
         policy = self.options.policy
         for pattern in policy.patterns if isinstance(policy, NamedPolicy) else ():

@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+import ckpt_fx
+
 from passes.regions import PATH_KEY, REGION_KEY, normalize_module_path, regions_pass
 
 
@@ -173,3 +175,30 @@ def test_a_graph_holding_one_block_of_a_stack_still_finds_it():
     found = regions_pass(gm)
     assert not found.top_level_units
     assert [(b.path, b.index, b.number) for b in found.blocks] == [("model.layers.5", 5, 5)]
+
+
+def test_a_model_with_no_blocks_and_no_submodules_is_told_its_policy_recomputes_nothing():
+    """torch.compile(model, backend="ckpt") on ops with no module around them: the block policy
+    has nothing to act on, and says so once with the policies that plan without blocks; a policy
+    that plans op by op says nothing."""
+    import warnings
+
+    class Bare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            return torch.tanh(torch.tanh(x @ self.w) @ self.w).sum()
+
+    def said(policy):
+        torch._dynamo.reset()
+        fn = torch.compile(Bare(), backend=ckpt_fx.backend(policy=policy, compiler="eager"))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            fn(torch.randn(4, 16)).backward()
+        return [str(w.message) for w in record if "found no blocks" in str(w.message)]
+
+    (message,) = said("blocks")
+    assert "recomputes nothing here" in message and "Policy 'graph' or a budget" in message
+    assert said("graph") == []
