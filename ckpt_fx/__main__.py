@@ -69,35 +69,43 @@ def demo(args: argparse.Namespace) -> int:
     plain = "inductor" if compiler == "inductor" else "aot_eager"
     setups = (("eager (no checkpointing)", None), (f"torch.compile {plain} (no checkpointing)", plain),
               (f"backend='ckpt' policy={args.policy} ({compiler})", ckpt))
-    rows = []
+    # Each setup compiles and is measured once on its own; the timed steps then take turns, one
+    # setup after another in each round, so a drift in the machine's speed falls on all of them.
+    runs = []
     for name, backend in setups:
         _progress(name)
         m = copy.deepcopy(model)
         fn = m if backend is None else torch.compile(m, backend=backend)
-        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
-        losses, times, peak = [], [], 0
+        run = {"setup": name, "fn": fn, "opt": torch.optim.SGD(m.parameters(), lr=1e-2), "losses": [], "times": []}
 
-        def step() -> None:
-            loss = fn(ids, ids)
+        def step(run=run) -> None:
+            loss = run["fn"](ids, ids)
             loss.backward()
-            losses.append(loss.item())
+            run["losses"].append(loss.item())
 
+        run["step"] = step
         step()  # warm-up (compiles)
-        opt.zero_grad(set_to_none=True)
-        losses.clear()
-        for i in range(args.steps):
+        run["opt"].zero_grad(set_to_none=True)
+        run["losses"].clear()
+        run["peak"] = ckpt_fx.peak_bytes(step, device=args.device)
+        run["opt"].step()
+        run["opt"].zero_grad(set_to_none=True)
+        runs.append(run)
+    for _ in range(args.steps):
+        for run in runs:
             start = time.perf_counter()
-            if i == 0:
-                peak = ckpt_fx.peak_bytes(step, device=args.device)
-            else:
-                step()
-            times.append(time.perf_counter() - start)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        rows.append({"setup": name, "peak_mb": peak / 2**20, "step_s": statistics.median(times), "losses": losses})
+            run["step"]()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            run["times"].append(time.perf_counter() - start)
+            run["opt"].step()
+            run["opt"].zero_grad(set_to_none=True)
+    rows = [{"setup": r["setup"], "peak_mb": r["peak"] / 2**20,
+             "step_s": statistics.median(r["times"]), "losses": r["losses"]}
+            for r in runs]
     base, compiled = rows[0], rows[1]
     print(f"\n{args.model} model: {args.layers} blocks, dim {args.dim}, batch {args.batch}x{args.seq}, "
-          f"{args.steps} steps, {args.device}, torch {torch.__version__}\n")
+          f"{args.steps} timed steps each, setups taking turns, {args.device}, torch {torch.__version__}\n")
     print(f"| setup | peak MB | x eager | step s | x eager | x {plain} | losses |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
@@ -247,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--heads", type=_count, default=4)
     d.add_argument("--batch", type=_count, default=8)
     d.add_argument("--seq", type=_count, default=256)
-    d.add_argument("--steps", type=_count, default=3)
+    d.add_argument("--steps", type=_count, default=3, help="timed steps per setup, the setups taking turns "
+                   "(the median is shown), after one step measured for the peak")
     d.add_argument("--policy", default="blocks", help=POLICY_HELP)
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     d.add_argument("--json", help="also write the results to this file")
@@ -266,11 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--steps", type=_count, default=3, help="timed steps per setup (the median is shown)")
     bn.add_argument("--setups", help="';'-separated, e.g. 'eager;checkpoint;ckpt:blocks'; forms: eager, checkpoint "
                     "(HF per-block), sac, inductor-sac, aot_eager, inductor, inductor-budget:<x>, ckpt:<policy>, "
-                    "ckpt-eager:<policy>, ckpt-inductor:<policy> (default on cpu: "
-                    "eager;checkpoint;aot_eager-budget:0.5;ckpt-eager:blocks;ckpt-eager:blocks:every=1,skip_first=0;"
-                    "ckpt-eager:selective;ckpt-eager:budget:0.5 "
-                    "(Inductor compiles cost minutes on a CPU); on cuda the same under Inductor with "
-                    "inductor, inductor-sac and ckpt:none)")
+                    "ckpt-eager:<policy>, ckpt-inductor:<policy> (default on cpu, under the default inner compiler as "
+                    "enable uses it: eager;checkpoint;inductor-budget:0.5;ckpt:blocks;ckpt:blocks:every=1,skip_first=0;"
+                    "ckpt:selective;ckpt:budget:0.5 (Inductor compiles cost a minute or two per setup on a CPU); "
+                    "with CKPT_FX_COMPILER=eager: eager;checkpoint;aot_eager-budget:0.5;ckpt-eager:blocks;"
+                    "ckpt-eager:blocks:every=1,skip_first=0;ckpt-eager:selective;ckpt-eager:budget:0.5; on cuda "
+                    "the Inductor ones with inductor, inductor-sac and ckpt:none)")
     bn.add_argument("--sweep", type=_fractions, help="','-separated budgets, e.g. 0.9,0.7,0.5,0.3,0.15: torch's knob and ckpt:budget at "
                     "each, beside Inductor alone, ckpt:none, torch's op-level selective checkpointing, ckpt:selective, "
                     "HF per-block checkpointing beside ours on every block (instead of --setups)")

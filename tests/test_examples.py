@@ -104,7 +104,7 @@ def test_help_answers_without_importing_torch():
     assert "(default: 12)" in done.stdout and "ckpt-eager:<policy>" in done.stdout
     from ckpt_fx.bench import setups
 
-    assert ";".join(setups.CPU_SETUPS) in done.stdout
+    assert ";".join(setups.CPU_SETUPS) in done.stdout and ";".join(setups.CPU_EAGER_SETUPS) in done.stdout
 
 
 def test_explain_command():

@@ -13,18 +13,24 @@ from typing import Any
 import torch
 
 from ckpt_fx import policies
-from ckpt_fx.dynamo_backend import CkptBackend
+from ckpt_fx.dynamo_backend import CkptBackend, Options
 from ckpt_fx.dynamo_backend import backend as ckpt_backend
 from passes._compat import activation_memory_budget, own_backend, per_block_checkpointing, torch_offloading
 from passes.costs import op_class
 
 CPU_SETUPS = (
+    "eager", "checkpoint", "inductor-budget:0.5", "ckpt:blocks", "ckpt:blocks:every=1,skip_first=0",
+    "ckpt:selective", "ckpt:budget:0.5",
+)
+"""The default on a CPU under the default inner compiler, Inductor (what enable and backend="ckpt"
+use): the peers and our plans as users run them. Inductor compiles a GPT-2 for a minute or two per
+setup on a CPU."""
+CPU_EAGER_SETUPS = (
     "eager", "checkpoint", "aot_eager-budget:0.5", "ckpt-eager:blocks", "ckpt-eager:blocks:every=1,skip_first=0",
     "ckpt-eager:selective", "ckpt-eager:budget:0.5",
 )
-"""The default on a CPU: the peers and our plans on eager kernels (the eager inner compiler and
-torch's knob under aot_eager), a few minutes in all; Inductor compiles a GPT-2 for a minute or two
-per setup on a CPU, so its rows are asked for (--setups, --sweep)."""
+"""The default on a CPU where the default inner compiler is the eager one (CKPT_FX_COMPILER=eager):
+the same on eager kernels (torch's knob under aot_eager), a few minutes in all."""
 CUDA_SETUPS = (
     "eager", "checkpoint", "inductor", "inductor-budget:0.5", "inductor-sac", "ckpt:none", "ckpt:blocks",
     "ckpt:blocks:every=1,skip_first=0", "ckpt:selective", "ckpt:budget:0.5", "ckpt:budget:0.3",
@@ -40,8 +46,11 @@ PEERS = ("eager", "checkpoint", "sac", "inductor-sac", "aot_eager", "inductor")
 
 
 def default_setups(device: str) -> tuple[str, ...]:
-    """The setups a bench runs when none are named: CUDA_SETUPS on a GPU, CPU_SETUPS on a CPU."""
-    return CUDA_SETUPS if device == "cuda" else CPU_SETUPS
+    """The setups a bench runs when none are named: CUDA_SETUPS on a GPU; on a CPU, CPU_SETUPS, or
+    CPU_EAGER_SETUPS where the default inner compiler (CKPT_FX_COMPILER) is the eager one."""
+    if device == "cuda":
+        return CUDA_SETUPS
+    return CPU_EAGER_SETUPS if Options.merged({}).get("compiler", "inductor") == "eager" else CPU_SETUPS
 
 
 def sweep_setups(budgets: tuple[float, ...]) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ckpt_fx.measure import peak_bytes
-from ckpt_fx.bench.setups import CPU_SETUPS, Setup, parse_setups
+from ckpt_fx.bench.setups import CPU_EAGER_SETUPS, Setup, parse_setups
 from ckpt_fx.bench.workloads import Workload
 from passes._compat import dynamo_recompile_limit, inductor_random_as_eager, no_fx_graph_cache
 from passes.plan import step_peak_bytes
@@ -46,7 +46,7 @@ class Row:
     """Why grad_rel_diff is not given, when it is not."""
 
 
-def run(workload: Workload, setups: tuple[str, ...] = CPU_SETUPS, *, steps: int = 5, amp: bool = False,
+def run(workload: Workload, setups: tuple[str, ...] = CPU_EAGER_SETUPS, *, steps: int = 5, amp: bool = False,
         progress: bool = False, fallback_random: bool = False) -> list[Row]:
     """Measure every setup on the same model (fresh copy each) and batch; the first is the reference.
 
