@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
+import pickle
+import sys
+import time
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +21,12 @@ from passes import pipeline
 from passes._compat import (
     RECOMPUTE_KEY,
     aot_autograd,
+    autograd_cache_hits,
     boxed_nop,
     cache_hash,
     default_partition,
     has_inductor_partitioner_hook,
+    inductor_cache_dir,
     inductor_with_partitioner,
     min_cut_partition,
 )
@@ -42,7 +48,7 @@ COMPILERS = ("eager", "inductor")
 # Inductor where this torch has its custom partitioner hook: measured on GPT-2 (README), its peak
 # under each policy is at or below the eager inner compiler's and its steps are faster.
 DEFAULT_COMPILER = "inductor" if has_inductor_partitioner_hook() else "eager"
-OPTION_KEYS = ("policy", "compiler", "strict", "debug", "debug_dir", "head", "logits")
+OPTION_KEYS = ("policy", "compiler", "strict", "debug", "debug_dir", "head", "logits", "progress")
 HEADS = ("chunked", "whole")
 LOGITS = ("keep", "drop")
 
@@ -72,6 +78,9 @@ class Options:
     logits: str = "keep"
     """"keep": the graph returns the logits the model returns; "drop": a chunked head's logits are
     returned as None and never built whole (Note [Logits in training calls] in ckpt_fx/in_place.py)."""
+    progress: bool = True
+    """One line as each training graph is traced, planned and compiled, and one with its time and
+    plan when done (Note [The first step's lines]); False: those lines at debug level only."""
 
     def __post_init__(self) -> None:
         if not callable(self.policy):
@@ -93,6 +102,8 @@ class Options:
             raise ValueError(f"head must be one of {', '.join(map(repr, HEADS))}, got {self.head!r}")
         if self.logits not in LOGITS:
             raise ValueError(f"logits must be one of {', '.join(map(repr, LOGITS))}, got {self.logits!r}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be True or False, got {self.progress!r}")
         if not isinstance(self.debug_dir, str) or not self.debug_dir:
             raise ValueError(f"debug_dir must be a non-empty path, got {self.debug_dir!r}")
 
@@ -184,6 +195,8 @@ class CkptBackend:
         self.on_joint: list[Callable[[torch.fx.GraphModule, Any, dict[str, Any]], None]] = []
         self.on_partitioned: list[Callable[[Partitioned], None]] = []
         self._graphs = 0
+        self._compiles = 0
+        self._planning_s = 0.0
         self._warned: set[str] = set()
         self.head_report = HeadReport()
         """What head_pass did to the graph being compiled: its plan records it."""
@@ -209,6 +222,7 @@ class CkptBackend:
         self._graphs += 1
         debug = self.options.debug
         folder = pathlib.Path(self.options.debug_dir) / f"graph_{self._graphs:03d}" if debug else None
+        started = time.perf_counter()
         try:
             with without_full_collections():  # Note [Collections while planning] in passes/steps.py
                 fw, bw, plan = pipeline.run(
@@ -239,6 +253,7 @@ class CkptBackend:
                 static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
             )
             plan = None
+        self._planning_s += time.perf_counter() - started
         if plan is not None:
             if self.checkpointed_by_model and not plan.checkpointed_by_model:
                 # The graph's units inside a module the model checkpointed (a Swin stage holds blocks).
@@ -368,13 +383,19 @@ class CkptBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
         planned = len(self.plans)
+        training = torch.is_grad_enabled()
         # Note [The loss head in chunks] in passes/head.py: only where gradients are recorded (an
         # inference graph keeps nothing for a backward).
         self.head_report = HeadReport()
-        if self.options.head == "chunked" and torch.is_grad_enabled():
+        if self.options.head == "chunked" and training:
             self.head_report = head_pass(gm, keep_logits=self.options.logits == "keep")
+        self._compiles += 1
+        number, inner = self._compiles, "Inductor" if self.options.compiler == "inductor" else "the eager inner compiler"
         if self.options.compiler == "inductor":
-            compile_fn = inductor_with_partitioner(self.partition, self.cache_key(), kernels=self.kernels)
+            compile_fn = inductor_with_partitioner(
+                self.partition, self.cache_key(), kernels=self.kernels,
+                on_backward=lambda seconds: self._say("ckpt_fx: graph %d: its backward compiled in %.1f s, at its first "
+                                                      "run", number, seconds))
         else:
             compile_fn = aot_autograd(
                 fw_compiler=boxed_nop,
@@ -382,11 +403,63 @@ class CkptBackend:
                 partition_fn=self.partition,
                 keep_inference_input_mutations=True,
             )
+        if training:
+            ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+            self._say("ckpt_fx: graph %d: %d ops traced; planning (%s) and compiling with %s ...", number, ops,
+                      policies.policy_name(self.options.policy), inner)
+        hits, self._planning_s, started = autograd_cache_hits(), 0.0, time.perf_counter()
         # Note [Compiling on a fresh stack chunk] in passes/steps.py
         compiled = on_a_fresh_stack(lambda: compile_fn(gm, example_inputs))
+        elapsed = time.perf_counter() - started
+        record = self._plan_record(gm, example_inputs) if training else None
+        if len(self.plans) > planned:
+            _store_plan(record, self.plans[-1])
+            self._say("ckpt_fx: graph %d planned and its forward compiled in %.1f s (planning %.1f s): %s", number,
+                      elapsed, self._planning_s, _summary(self.plans[-1]))
+        elif training and autograd_cache_hits() > hits:
+            plan = _load_plan(record)
+            if plan is not None:
+                self.plans.append(plan)
+                self._say("ckpt_fx: graph %d served from Inductor's cache in %.1f s, its plan as recorded when it "
+                          "was compiled: %s", number, elapsed, _summary(plan))
+            else:
+                self.warn_once(
+                    "ckpt_fx: a graph came from Inductor's on-disk cache, compiled by an earlier process with this "
+                    "policy, and no record of its plan was found: it runs as planned then, but `plans` and "
+                    "step_peak_bytes lack it. TORCHINDUCTOR_AUTOGRAD_CACHE=0 plans every graph again")
+        elif training:
+            self._say("ckpt_fx: graph %d compiled in %.1f s, without a plan (nothing in it needs gradients, or it "
+                      "fell back: see the warnings)", number, elapsed)
         if self.head_report.dropped_outputs:
             compiled = _with_none_at(compiled, self.head_report.dropped_outputs)
         return _counted(compiled, self, planned if self._count_runs and len(self.plans) == planned + 1 else None)
+
+    def _say(self, message: str, *args: Any) -> None:
+        """One progress line (Note [The first step's lines])."""
+        if self.options.progress:
+            _progress_log().info(message, *args)
+        else:
+            log.debug(message, *args)
+
+    def _plan_record(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> pathlib.Path | None:
+        """Where the plan of this graph is recorded beside Inductor's cache (Note [Plans of cached
+        graphs]); None where Inductor does not cache it."""
+        key = self.cache_key() if self.options.compiler == "inductor" and self.kernels else None
+        if key is None:
+            return None
+
+        def described(x: Any) -> str:
+            if isinstance(x, torch.Tensor):
+                return f"{x.dtype}{tuple(x.shape)}{tuple(x.stride())}{x.requires_grad}{x.device.type}"
+            return f"{type(x).__name__}:{x}"
+
+        text = "\n".join([key, torch.__version__, str(self.device), repr(self.checkpointed_by_model), gm.code,
+                          *map(described, example_inputs)])
+        try:
+            folder = inductor_cache_dir()
+        except Exception:  # noqa: BLE001 - no cache folder: nothing recorded
+            return None
+        return folder / "ckpt_fx_plans" / f"{hashlib.sha256(text.encode()).hexdigest()[:40]}.pkl"
 
     def plans_as_run(self) -> list[Plan]:
         """The plans in the order their graphs ran, each as often as it ran (with count_runs;
@@ -403,6 +476,7 @@ def backend(
     debug_dir: str | None = None,
     head: str = "chunked",
     logits: str = "keep",
+    progress: bool = True,
 ) -> CkptBackend:
     """A torch.compile backend that checkpoints by `policy`; validates everything now.
     compiler, debug and debug_dir default to CKPT_FX_COMPILER, CKPT_FX_DEBUG and CKPT_FX_DEBUG_DIR
@@ -412,7 +486,7 @@ def backend(
     """
     given = {k: v for k, v in (("debug", debug), ("debug_dir", debug_dir), ("compiler", compiler)) if v is not None}
     return CkptBackend(Options(policy=policies.parse(policy), strict=strict, head=head, logits=logits,
-                               **Options.merged(given)))
+                               progress=progress, **Options.merged(given)))
 
 
 def _counted(compiled: Callable[..., Any], backend: CkptBackend, index: int | None) -> Callable[..., Any]:
@@ -427,6 +501,68 @@ def _counted(compiled: Callable[..., Any], backend: CkptBackend, index: int | No
     if getattr(compiled, "_boxed_call", False):
         counted._boxed_call = True
     return counted
+
+
+# Note [The first step's lines]
+# The first training step compiles: dynamo traces, AOTAutograd builds the joint graph, we plan,
+# Inductor generates kernels. On a CPU that takes a minute or more per graph, and under a trainer
+# its progress bar sits at 0% meanwhile. So the backend says, on the `ckpt_fx.progress` logger,
+# when it starts on each training graph (its ops, the policy, the inner compiler) and, when done,
+# the time it took, planning's share, and the plan (blocks, recomputed, predicted peak). Where the
+# program configured no logging at all, the logger prints to stderr itself; options
+# {"progress": False} (enable(progress=False)) keeps them at debug level.
+#
+# Note [Plans of cached graphs]
+# Under Inductor, a graph compiled by an earlier process with the same policy and options is
+# served from AOTAutograd's on-disk cache: no joint graph is partitioned, so nothing is planned
+# and `plans` would lack the graph (step_peak_bytes would read 0). So each plan is recorded when it
+# is made, beside Inductor's cache, keyed by what keys the cached graph (our cache key: policy,
+# options, the passes' source; the traced graph's code and its inputs' shapes), and read back on a
+# hit. A plan read back has its figures at the sizes it was made for (Plan.from_cache); where no
+# record is found the backend says so.
+
+
+def _progress_log() -> logging.Logger:
+    """The `ckpt_fx.progress` logger, printing to stderr where the program configured no logging."""
+    logger = logging.getLogger("ckpt_fx.progress")
+    configured = [h for lg in (logging.getLogger(), log, logger) for h in lg.handlers if not isinstance(h, logging.NullHandler)]
+    if not configured:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+def _summary(plan: Plan) -> str:
+    recomputed = sum(1 for b in plan.blocks if b.recomputed_ops)
+    offloaded = f", {len(plan.offloaded)} saved values offloaded" if plan.offloaded else ""
+    return f"{len(plan.blocks)} blocks, {recomputed} recomputed{offloaded}, predicted peak {format_size(plan.peak_bytes)}"
+
+
+def _store_plan(record: pathlib.Path | None, plan: Plan) -> None:
+    """Record `plan` at `record` (Note [Plans of cached graphs]); a failure only loses the record."""
+    if record is None:
+        return
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        part = record.with_suffix(f".{os.getpid()}.part")
+        part.write_bytes(pickle.dumps(replace(plan, _at=None)))
+        part.replace(record)
+    except Exception as error:  # noqa: BLE001 - the plan runs; only its record for a later process is lost
+        log.info("ckpt_fx: could not record the plan beside Inductor's cache (%s: %s)", type(error).__name__, error)
+
+
+def _load_plan(record: pathlib.Path | None) -> Plan | None:
+    if record is None or not record.exists():
+        return None
+    try:
+        plan = pickle.loads(record.read_bytes())
+    except Exception as error:  # noqa: BLE001 - a record of another version: said as no record
+        log.info("ckpt_fx: could not read the plan recorded at %s (%s: %s)", record, type(error).__name__, error)
+        return None
+    return replace(plan, from_cache=True) if isinstance(plan, Plan) else None
 
 
 def advisory_logging() -> tuple:

@@ -512,7 +512,7 @@ def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_
     the others raise. `progress`: a bar on stderr, one step per policy and graph."""
     # The head chunked and the logits of a training call with labels dropped, as enable does (Note
     # [Logits in training calls] in ckpt_fx/in_place.py).
-    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient, logits="drop"), device=device,
+    backends = [CkptBackend(Options(policy=p, compiler="eager", strict=p not in lenient, logits="drop", progress=False), device=device,
                             count_runs=k == 0) for k, p in enumerate(policies)]
     first = backends[0]
     bar = _bar(len(backends)) if progress else None

@@ -79,7 +79,7 @@ import torch
 
 from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend, advisory_logging, backend
-from passes._compat import logging_calls_ignored
+from passes._compat import current_recompile_limit, logging_calls_ignored
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ _ENABLED: weakref.WeakKeyDictionary[torch.nn.Module, _Switched] = weakref.WeakKe
 
 def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, *, compiler: str | None = None,
            strict: bool = False, dynamic: bool | None = None, head: str = "chunked",
-           logits: str = "drop") -> CkptBackend:
+           logits: str = "drop", progress: bool = True) -> CkptBackend:
     """Checkpoint `model`'s training steps with ckpt-fx, in place: its forward runs compiled with
     backend="ckpt" (and `policy`, `compiler`, `strict` as ckpt_fx.backend takes them) where
     gradients are recorded in train mode, and as it was anywhere else (eval, torch.no_grad,
@@ -107,7 +107,8 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
     replaces the earlier settings. Returns the backend (its `plans` fill as graphs compile).
     `head`: "chunked" (a causal LM's loss head in chunks, Note [The loss head under enable]) or
     "whole". `logits`: "drop" (training calls with labels return logits=None, Note [Logits in
-    training calls]) or "keep".
+    training calls]) or "keep". `progress`: a line as each graph is planned and compiled, and its time
+    (Note [The first step's lines] in ckpt_fx/dynamo_backend.py); False keeps them at debug level.
 
     >>> ckpt_fx.enable(model)                 # the default policy, before handing the model to a trainer
     >>> ckpt_fx.disable(model)                # the model as it was
@@ -116,7 +117,7 @@ def enable(model: torch.nn.Module, policy: policies.Policy | str | None = None, 
         raise TypeError(f"enable: expected a torch.nn.Module, got {type(model).__name__}")
     # Every option checked here, now. `logits` acts only on a graph whose head was chunked: the
     # whole-model graphs of training calls with labels (the backbone's have no head).
-    chosen = backend(policy=policy, compiler=compiler, strict=strict, head=head, logits=logits)
+    chosen = backend(policy=policy, compiler=compiler, strict=strict, head=head, logits=logits, progress=progress)
     disable(model)
     module = backbone(model)
     own = module.__dict__.get("forward")
@@ -200,14 +201,12 @@ def _told_if_uncompiled(chosen: CkptBackend, compiled: Any, args: tuple, kwargs:
     before = chosen.graph_runs
     result = compiled(*args, **kwargs)
     if chosen.graph_runs == before:
-        import torch._dynamo.config as dynamo_config
-
         own = (f", and without the model's own gradient checkpointing of its {len(units)} units, which enable "
                "switches off for the calls it compiles") if units else ""
         chosen.warn_once(
             f"ckpt_fx: a training call ran uncompiled, without ckpt-fx's plan{own}: it kept every activation. "
             f"torch.compile did not compile it: most often dynamo's recompile limit "
-            f"(torch._dynamo.config.recompile_limit = {dynamo_config.recompile_limit}) was reached, a static graph "
+            f"(torch._dynamo.config.recompile_limit = {current_recompile_limit()}) was reached, a static graph "
             "compiled per input shape (TORCH_LOGS=recompiles shows why). Call ckpt_fx.enable(model, dynamic=True) "
             "so one graph serves every sequence length and batch size, pad inputs to a few lengths, or raise "
             "the limit")

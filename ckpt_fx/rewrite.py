@@ -77,7 +77,7 @@ def rewrite_graph(
                          "use torch.fx.symbolic_trace(model) or torch.export.export(model, args).module()")
     # The graphs run eagerly under autograd: planned for the eager inner compiler (AOTAutograd's
     # default partition), not for Inductor's min-cut.
-    options = Options(policy=policies.parse(policy), strict=strict, compiler="eager")
+    options = Options(policy=policies.parse(policy), strict=strict, compiler="eager", progress=False)
     info = pytree_info(gm)
     if info is not None and info.in_spec is not None:
         flat_inputs = pytree.tree_flatten((tuple(example_inputs), {}))[1]

@@ -6,6 +6,8 @@ passes/inductor_memory.py. When torch moves one of these, these two files are th
 from __future__ import annotations
 
 import functools
+import pathlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
+    "autograd_cache_hits",
     "activation_memory_budget",
     "aot_autograd",
     "aot_module_simplified",
@@ -31,6 +34,7 @@ __all__ = [
     "CHECKPOINT_REGION_KEY",
     "CheckpointPolicy",
     "CPU_OFFLOAD_PREFIX",
+    "current_recompile_limit",
     "default_partition",
     "dynamo_recompile_limit",
     "FakeCopyMode",
@@ -39,6 +43,7 @@ __all__ = [
     "GPU_RELOAD_PREFIX",
     "has_inductor_partitioner_hook",
     "HigherOrderOperator",
+    "inductor_cache_dir",
     "inductor_random_as_eager",
     "inductor_with_partitioner",
     "insert_offloads",
@@ -232,14 +237,16 @@ def has_inductor_partitioner_hook() -> bool:
     return hasattr(inductor_config, "custom_partitioner_fn")
 
 
-def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *,
-                              kernels: bool = True) -> Callable[..., Any] | None:
+def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *, kernels: bool = True,
+                              on_backward: Callable[[float], None] | None = None) -> Callable[..., Any] | None:
     """A torch.compile backend running Inductor with `partition` as its partitioner, after
     Inductor's own joint-graph passes (config.custom_partitioner_fn); None when this torch lacks
     the hook. `uuid` keys Inductor's FX graph cache: it must change with anything that changes
     the plan, or the cache serves a plan made for another policy; None turns the cache off.
     `kernels=False`: the partitioned graphs run as Python, op by op, instead of as Inductor's
-    generated kernels: the plan Inductor would get, without its code generation (no caching)."""
+    generated kernels: the plan Inductor would get, without its code generation (no caching).
+    `on_backward(seconds)`: called once the backward's kernels are generated (AOTAutograd compiles
+    the backward at its first run)."""
     import torch._inductor.config as inductor_config
 
     if not hasattr(inductor_config, "custom_partitioner_fn"):
@@ -260,8 +267,12 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
 
     def lower(gm, example_inputs, *args, **kwargs):
         backward = backward_lowering_config() if kwargs.get("is_backward") else {}
+        started = time.perf_counter()
         with inductor_config.patch(backward):
-            return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+            compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        if kwargs.get("is_backward") and on_backward is not None:
+            on_backward(time.perf_counter() - started)
+        return compiled
 
     def compile_with_partitioner(gm, example_inputs):
         with inductor_config.patch(custom_partitioner_fn=Partitioner()):
@@ -404,6 +415,13 @@ def logging_calls_ignored(functions: tuple[Callable[..., Any], ...]):
     return dynamo_config.patch(**{name: set(getattr(dynamo_config, name)) | set(functions)})
 
 
+def current_recompile_limit() -> int:
+    """How many times Dynamo compiles a function before it runs it uncompiled."""
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.recompile_limit
+
+
 def dynamo_recompile_limit(limit: int):
     """A context in which Dynamo compiles a function up to `limit` times before it gives up on it."""
     import torch._dynamo.config as dynamo_config
@@ -425,6 +443,21 @@ def cache_hash(files: tuple[str, ...]) -> str:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     return get_hash_for_files(files).hex()
+
+
+def autograd_cache_hits() -> int:
+    """How many graphs AOTAutograd's on-disk cache has served in this process (no partition ran
+    for them)."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def inductor_cache_dir() -> pathlib.Path:
+    """Inductor's on-disk cache folder (TORCHINDUCTOR_CACHE_DIR, else its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return pathlib.Path(cache_dir())
 
 
 def mark_dynamic(t: torch.Tensor, dim: int) -> None:

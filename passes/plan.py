@@ -261,6 +261,10 @@ class Plan:
     """Loss heads run in chunks (Note [The loss head in chunks] in passes/head.py)."""
     head_reasons: tuple[str, ...] = ()
     """Why each cross-entropy of the graph that was not chunked was left whole."""
+    from_cache: bool = False
+    """Recorded when the graph was compiled in an earlier process and read back as Inductor's cache
+    served that graph (Note [Plans of cached graphs] in ckpt_fx/dynamo_backend.py): its figures
+    hold at the sizes it was made for; `at` needs the graph planned again."""
     _at: Callable[[dict[str, int]], Prediction] | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -276,6 +280,10 @@ class Plan:
         if unknown:
             valid = ", ".join(f"{k} (now {v})" for k, v in sorted(self.symbols.items())) or "none: the sizes are static"
             raise ValueError(f"Plan.at: unknown size symbol(s) {unknown}; this plan's symbols: {valid}")
+        if sizes and self.from_cache:
+            raise ValueError("Plan.at: this plan was read back with a graph Inductor's cache served, and holds its "
+                             f"figures at {self.symbols} only; to predict other sizes, plan the graph again "
+                             "(TORCHINDUCTOR_AUTOGRAD_CACHE=0, or ckpt_fx.fit / explain)")
         if not sizes or self._at is None:
             return self
         prediction = self._at({k: int(v) for k, v in sizes.items()})
@@ -306,6 +314,9 @@ def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:
     """Predicted peak of a training step through several graphs (graph breaks), run forward in
     order and backward in reverse: while graph i runs, every earlier graph's forward leftovers
     and every later graph's gradients are live as well."""
+    if not plans:
+        raise ValueError("step_peak_bytes: no plans to predict from (no graph compiled yet with gradients recorded, "
+                         "or every graph fell back without a plan: see the warnings)")
     peak = 0
     for i, plan in enumerate(plans):
         before = sum(p.forward_end_bytes for p in plans[:i])

@@ -109,6 +109,44 @@ def test_one_info_line_per_compiled_graph(caplog):
     assert "blocks(every=1, skip_first=auto): saved" in lines[0] and "predicted peak" in lines[0]
 
 
+def test_the_first_step_says_what_it_compiles_and_how_long_it_took(caplog):
+    """Note [The first step's lines]: per training graph, a line as it starts (ops, policy, inner
+    compiler) and one when done (time, planning's share, the plan); progress=False keeps them at
+    debug level; an inference graph says nothing; with no logging configured they reach stderr."""
+    def lines(**kwargs):
+        caplog.clear()
+        torch._dynamo.reset()
+        b = ckpt_fx.backend(policy="blocks", compiler="eager", **kwargs)
+        with caplog.at_level(logging.INFO, logger="ckpt_fx"):
+            train_step(make(SPEC), inputs(SPEC, 2, 6), b)
+        return [r.getMessage() for r in caplog.records if r.name == "ckpt_fx.progress" and r.levelno == logging.INFO]
+
+    start, done = lines()
+    assert "graph 1:" in start and "ops traced; planning (blocks(every=1, skip_first=auto)) and compiling with the eager" in start
+    assert "graph 1 planned and its forward compiled in" in done and "(planning" in done and "3 blocks" in done
+    assert lines(progress=False) == []
+    with pytest.raises(ValueError, match="progress must be True or False, got 'no'"):
+        ckpt_fx.backend(progress="no")
+    code = textwrap.dedent("""
+        import os, torch, ckpt_fx
+        from tests._models import Spec, inputs, make, train_step
+        spec = Spec(depth=2, width=8)
+        train_step(make(spec), inputs(spec, 2, 4), ckpt_fx.backend(compiler="eager"))
+        fn = torch.compile(make(spec).eval(), backend=ckpt_fx.backend(compiler="eager"))
+        with torch.no_grad():
+            fn(inputs(spec, 2, 4))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("ckpt_fx: graph")]
+    assert len(said) == 2 and "planned and its forward compiled" in said[1], done.stderr[-2000:]
+
+
+def test_step_peak_bytes_of_no_plans_is_refused():
+    with pytest.raises(ValueError, match="step_peak_bytes: no plans to predict from"):
+        ckpt_fx.step_peak_bytes([])
+
+
 def test_graph_breaks_plan_every_graph_with_right_block_numbers():
     """A graph break in the middle of the stack: each graph is planned, block paths stay absolute."""
 

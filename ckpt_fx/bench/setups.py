@@ -160,7 +160,7 @@ class Setup:
                     functools.partial(activation_memory_budget, self.budget))
         # Counting runs: the bench predicts the step it measures from the graphs that ran in it
         # (a recompile leaves the first graph's plan in b.plans too).
-        b = CkptBackend(ckpt_backend(policy=self.policy, compiler=self.compiler).options, count_runs=True)
+        b = CkptBackend(ckpt_backend(policy=self.policy, compiler=self.compiler, progress=False).options, count_runs=True)
         return torch.compile(model, backend=b), b, none
 
 
