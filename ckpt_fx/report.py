@@ -19,6 +19,7 @@ from passes.plan import PeakModel, SavedTensor
 from passes.sizes import format_size
 from passes.graphs import copy_graph_module
 from passes.policy import uses_blocks
+from passes.select import HardRule
 
 # A checkpointed block whose recompute keeps out less than this is not worth its recompute.
 SMALL_REGION_BYTES = 64 * 1024
@@ -155,7 +156,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     The model is not changed, and the process is left as it was: the random number generators'
     states are restored, and no compiled model is reset (explain compiles a fresh function of its
     own, so dynamo's caches for the user's models are untouched)."""
-    options = Options(policy=policies.parse(policy), **Options.merged({"compiler": compiler} if compiler else {}))
+    options = Options(policy=policies.parse(policy), progress=False, **Options.merged({"compiler": compiler} if compiler else {}))
     name = policies.policy_name(options.policy)
     backend = CkptBackend(options, kernels=measure, count_runs=True)
     unplanned = []  # each joint graph as it came, to plan again without checkpointing
@@ -188,7 +189,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
                 p.grad = None
             eager = peak_bytes(lambda: step(plain), device=device)
     plans = tuple(backend.plans)
-    baseline = CkptBackend(Options(policy=policies.parse("none"), compiler="eager"))
+    baseline = CkptBackend(Options(policy=policies.parse("none"), compiler="eager", progress=False))
     for joint, joint_inputs, kw in unplanned:
         baseline.partition(joint, joint_inputs, **kw)
     as_run = (lambda ps: [ps[i] for i in runs]) if runs and len(baseline.plans) == len(plans) else list  # noqa: E731
@@ -200,7 +201,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
         measured_peak_bytes=measured,
         eager_peak_bytes=eager,
         no_checkpoint_peak_bytes=step_peak_bytes(as_run(baseline.plans)) if baseline.plans else None,
-        warnings=tuple(_pitfalls(options.policy, name, plans)),
+        warnings=tuple(_pitfalls(options.policy, name, plans, compiler=options.compiler)),
         units=tuple(_units(plans)),
     )
 
@@ -251,12 +252,18 @@ def _units(plans: tuple[Plan, ...]) -> list[str]:
     return out
 
 
-def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...]) -> list[str]:
+def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...], *, compiler: str = "eager") -> list[str]:
     """The pitfalls of checkpointing that a plan shows (see the README's FAQ)."""
     out = []
     if not plans:
         out.append("no graph was planned (was the model run without gradients, or did every graph fall back?)")
         return out
+    random = any(rule == HardRule.RANDOM for p in plans for rule in p.hard_rules.values()) or any(
+        s.kind == "dropout mask" for p in plans for s in p.saved)
+    if random and compiler == "inductor":
+        out.append("dropout under Inductor draws Inductor's own random numbers, as Inductor alone does: statistically "
+                   "eager's masks, not bitwise, so gradients differ from an eager step's; "
+                   "torch._inductor.config.fallback_random = True, or compiler='eager', draws eager's")
     if any(p.top_level_units for p in plans):
         out.append("no stack of repeated blocks was found: top-level children served as units")
     if uses_blocks(policy) and not any(p.recomputed for p in plans):
