@@ -62,6 +62,13 @@ def test_saved_values_that_are_no_activations_are_named():
     assert kind("native_layer_norm[1]") == "activation"
 
 
+def test_dropout_under_inductor_says_its_masks_are_inductors_own():
+    model, ids = small()
+    said = [w for w in ckpt_fx.explain(model, ids, ids, compiler="inductor").warnings if "dropout under Inductor" in w]
+    assert len(said) == 1 and "fallback_random = True" in said[0]
+    assert not any("dropout under Inductor" in w for w in ckpt_fx.explain(model, ids, ids, compiler="eager").warnings)
+
+
 def test_policy_that_matches_nothing_warns():
     model, ids = small()
     report = ckpt_fx.explain(model, ids, ids, policy=policies.only_in("decoder.*", "blocks"))
