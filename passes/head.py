@@ -216,6 +216,19 @@ def chunk_rows_for(*, vocab: int, dtype: torch.dtype, chunk_bytes: int, min_rows
     return max(1, min_rows, chunk_bytes // row_bytes(vocab=vocab, dtype=dtype))
 
 
+def keeps_less_in_chunks(*, tokens: int, vocab: int, hidden: int, dtype: torch.dtype, weight_grad: bool,
+                         chunk_bytes: int | None = None) -> bool:
+    """Whether head_pass would put a head of these sizes in chunks: a vocabulary head (WIDE) that
+    keeps less so (SMALLER_ONLY)."""
+    if vocab < WIDE * hidden:
+        return False
+    chunk = chunk_rows_for(vocab=vocab, dtype=dtype, chunk_bytes=CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
+                           min_rows=MIN_ROWS)
+    head = Head(tokens=tokens, vocab=vocab, hidden=hidden, chunk_rows=chunk, dtype=dtype, upcast=False,
+                weight_grad=weight_grad, logits_kept=True)
+    return not SMALLER_ONLY or head.kept_bytes + head.chunk_bytes < head.whole_bytes
+
+
 def workspace_bytes(node: torch.fx.Node, sizes: dict[str, int] | None = None) -> int:
     """Bytes a linear_cross_entropy node holds while it runs beyond its outputs: one chunk's
     temporaries (Head.chunk_bytes); 0 for any other node. What the memory passes add at its step."""

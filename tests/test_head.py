@@ -196,6 +196,33 @@ def test_a_head_whose_tokens_fit_one_chunk_stays_whole_and_says_why():
         backend.plans[0].head_reasons
 
 
+def test_under_enable_a_head_one_chunk_would_cover_runs_beside_the_compiled_backbone():
+    """Whole, such a head keeps less run eagerly than compiled into the model's graph (its logits
+    returned and saved together): enable compiles only the backbone for those calls, whose peak is
+    then that of head="whole"; larger calls compile the whole model with the head in chunks."""
+    ids = torch.randint(0, 4000, (2, 16))
+
+    def step(head_option):
+        model = _hf_llama()
+        backend = ckpt_fx.enable(model, compiler="eager", head=head_option)
+
+        def run():
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        run()
+        return backend, ckpt_fx.peak_bytes(run)
+
+    backend, peak = step("chunked")
+    (plan,) = backend.plans
+    assert plan.heads == () and not any(p.startswith("lm_head") for p in plan.module_paths)
+    assert plan.blocks[0].path == "layers.0"  # the backbone's graph names its units from the backbone
+    assert peak == step("whole")[1]
+    assert head.keeps_less_in_chunks(tokens=4096, vocab=4000, hidden=32, dtype=torch.float32, weight_grad=True)
+    assert not head.keeps_less_in_chunks(tokens=32, vocab=4000, hidden=32, dtype=torch.float32, weight_grad=True)
+    assert not head.keeps_less_in_chunks(tokens=4096, vocab=100, hidden=32, dtype=torch.float32, weight_grad=True)
+
+
 def _hf_llama(vocab=4000):
     import transformers
 
