@@ -5,6 +5,7 @@ passes/inductor_memory.py. When torch moves one of these, these two files are th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pathlib
 import time
@@ -29,6 +30,7 @@ __all__ = [
     "aot_autograd",
     "aot_module_simplified",
     "backward_lowering_config",
+    "blocks_kept_apart",
     "boxed_nop",
     "cache_hash",
     "CHECKPOINT_REGION_KEY",
@@ -238,7 +240,8 @@ def has_inductor_partitioner_hook() -> bool:
 
 
 def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *, kernels: bool = True,
-                              on_backward: Callable[[float], None] | None = None) -> Callable[..., Any] | None:
+                              on_backward: Callable[[float], None] | None = None,
+                              block_of: Callable[[torch.fx.Node], object | None] | None = None) -> Callable[..., Any] | None:
     """A torch.compile backend running Inductor with `partition` as its partitioner, after
     Inductor's own joint-graph passes (config.custom_partitioner_fn); None when this torch lacks
     the hook. `uuid` keys Inductor's FX graph cache: it must change with anything that changes
@@ -246,7 +249,7 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
     `kernels=False`: the partitioned graphs run as Python, op by op, instead of as Inductor's
     generated kernels: the plan Inductor would get, without its code generation (no caching).
     `on_backward(seconds)`: called once the backward's kernels are generated (AOTAutograd compiles
-    the backward at its first run)."""
+    the backward at its first run). `block_of`: the backward is lowered with blocks_kept_apart."""
     import torch._inductor.config as inductor_config
 
     if not hasattr(inductor_config, "custom_partitioner_fn"):
@@ -268,7 +271,8 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
     def lower(gm, example_inputs, *args, **kwargs):
         backward = backward_lowering_config() if kwargs.get("is_backward") else {}
         started = time.perf_counter()
-        with inductor_config.patch(backward):
+        apart = blocks_kept_apart(block_of) if kwargs.get("is_backward") and block_of else contextlib.nullcontext()
+        with inductor_config.patch(backward), apart:
             compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
         if kwargs.get("is_backward") and on_backward is not None:
             on_backward(time.perf_counter() - started)
@@ -305,14 +309,43 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
 # user forces layout optimization. The memory pass lowers backwards with the same settings.
 
 
+def blocks_kept_apart(block_of: Callable[[torch.fx.Node], object | None]):
+    """A context in which Inductor's scheduler fuses no two independent nodes (a horizontal fusion)
+    made from different blocks, by `block_of` of the FX nodes they came from (Note [A backward's
+    blocks kept apart] in passes/inductor_memory.py)."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    def blocks(node) -> set:
+        found = set()
+        for member in node.get_nodes():
+            ir = getattr(member, "node", None)
+            for origin in (ir.get_origins() if ir is not None else ()):
+                block = block_of(origin)
+                if block is not None:
+                    found.add(block)
+        return found
+
+    class Apart(InductorChoices):
+        def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score):  # noqa: D102
+            if not InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
+                return False
+            first, second = blocks(node1), blocks(node2)
+            return not (first and second and first.isdisjoint(second))
+
+    return V.set_choices_handler(Apart())
+
+
 def backward_lowering_config() -> dict[str, Any]:
     """Inductor's settings for lowering a backward graph of ours (Note [The layout of a backward
     that recomputes convolutions]), for its compile and for the memory pass's schedule alike."""
     import torch._inductor.config as inductor_config
 
+    # Note [A backward's blocks kept apart] in passes/inductor_memory.py: no peak-memory reordering.
+    settings = {"reorder_for_peak_memory": False} if hasattr(inductor_config, "reorder_for_peak_memory") else {}
     if getattr(inductor_config, "force_layout_optimization", False):
-        return {}
-    return {"layout_optimization": False}
+        return settings
+    return {**settings, "layout_optimization": False}
 
 
 # torch's names for the copies its offload pass inserts (it identifies them by these prefixes).

@@ -416,3 +416,9 @@ def _touches_embedding(node: torch.fx.Node, stack: list[tuple[str, type | str]])
     if node.target is torch.ops.aten.embedding.default:
         return True
     return bool(stack) and _is_embedding(stack[-1][1])
+
+
+def block_name(node: torch.fx.Node) -> str | None:
+    """The name of the block a node of a partitioned graph was made in (None: no block)."""
+    block = getattr(node.meta.get(REGION_KEY), "block", None)
+    return block.name if block is not None else None
