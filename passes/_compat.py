@@ -341,11 +341,9 @@ def backward_lowering_config() -> dict[str, Any]:
     that recomputes convolutions]), for its compile and for the memory pass's schedule alike."""
     import torch._inductor.config as inductor_config
 
-    # Note [A backward's blocks kept apart] in passes/inductor_memory.py: no peak-memory reordering.
-    settings = {"reorder_for_peak_memory": False} if hasattr(inductor_config, "reorder_for_peak_memory") else {}
     if getattr(inductor_config, "force_layout_optimization", False):
-        return settings
-    return {**settings, "layout_optimization": False}
+        return {}
+    return {"layout_optimization": False}
 
 
 # torch's names for the copies its offload pass inserts (it identifies them by these prefixes).

@@ -418,7 +418,12 @@ def _touches_embedding(node: torch.fx.Node, stack: list[tuple[str, type | str]])
     return bool(stack) and _is_embedding(stack[-1][1])
 
 
-def block_name(node: torch.fx.Node) -> str | None:
-    """The name of the block a node of a partitioned graph was made in (None: no block)."""
+def recomputed_block(node: torch.fx.Node) -> str | None:
+    """The name of the block a node of a backward recomputes (None: the node is no recomputation
+    the policy asked for, or belongs to no block)."""
+    from passes._compat import RECOMPUTE_KEY, CheckpointPolicy
+
+    if node.meta.get(RECOMPUTE_KEY) not in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+        return None
     block = getattr(node.meta.get(REGION_KEY), "block", None)
     return block.name if block is not None else None

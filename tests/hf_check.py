@@ -1,18 +1,23 @@
-"""The default policy beside Hugging Face's per-block checkpointing on transformers models, on the
-same (eager) kernels: measured peak of a training step and the median step time, steps of every
-setup interleaved round by round (one machine's drift slows them alike). And the TRL case: a peft
-LoRA model with HF's checkpointing on (TRL's default), then ckpt-fx enabled on top of it.
+"""The default policy beside Hugging Face's per-block checkpointing on transformers models:
+measured peak of a training step and the median step time, steps of every setup interleaved round
+by round (one machine's drift slows them alike).
 
-    python tests/hf_check.py [--rounds 7] [--only llama,gpt2]      (a few minutes on 2 cores)
+    python tests/hf_check.py [--rounds 7] [--only llama,qwen3] [--sizes tiny] [--compiler eager|inductor]
+        (a few minutes on 2 cores with the eager inner compiler; Inductor compiles each setup for tens of seconds)
 
-Setups: eager (no checkpointing), hf (activation_checkpointing_enable, use_reentrant=False),
-ckpt (ckpt_fx.enable(model, compiler="eager"): the default policy), and with LoRA r=8 on q/v:
-hf+lora, hf+lora+ckpt.
+Setups, each with HF's switch on first (activation_checkpointing_enable, use_reentrant=False), as
+TRL and Trainer leave it: hf (HF alone), ckpt (then ckpt_fx.enable(model, compiler=...): the
+default policy), compile (then torch.compile(model, backend=ckpt_fx.backend(compiler=...))),
+hf/2 (HF's every_n_layers=2, where the installed transformers has it) beside ckpt/2 (ckpt_fx.enable
+with policy "blocks:2"), and with peft LoRA r=16 on every linear layer, no dropout: hf+lora,
+hf+lora+ckpt. HF's offload=True holds the saved values in host memory, which on a CPU is the same
+memory: it is left to the GPU check.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
 import time
 import warnings
@@ -32,58 +37,77 @@ def _causal(config: str, model: str, layers: int, width: int, **extra):
 
 MODELS = {
     "llama": lambda layers, width: _causal("LlamaConfig", "LlamaForCausalLM", layers, width, num_key_value_heads=2),
+    "qwen3": lambda layers, width: _causal("Qwen3Config", "Qwen3ForCausalLM", layers, width, num_key_value_heads=2,
+                                           head_dim=width // 4),
+    "phi3": lambda layers, width: _causal("Phi3Config", "Phi3ForCausalLM", layers, width, num_key_value_heads=2,
+                                          pad_token_id=0),
+    "gemma2": lambda layers, width: _causal("Gemma2Config", "Gemma2ForCausalLM", layers, width, num_key_value_heads=2,
+                                            head_dim=width // 4),
     "mixtral": lambda layers, width: _causal("MixtralConfig", "MixtralForCausalLM", layers, width, num_key_value_heads=2,
                                              num_local_experts=4, num_experts_per_tok=2),
     "bert": lambda layers, width: _causal("BertConfig", "BertForMaskedLM", layers, width),
     "gpt2": lambda layers, width: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=1000, n_embd=width, n_layer=layers, n_head=4, n_positions=256)),
 }
-SIZES = {"tiny": (3, 32), "12-block": (12, 128)}
+SIZES = {"tiny": (3, 32), "small": (4, 128), "12-block": (12, 128)}
 
 
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
-    target = ["c_attn"] if isinstance(model, transformers.GPT2LMHeadModel) else (
-        ["query", "value"] if isinstance(model, transformers.BertForMaskedLM) else ["q_proj", "v_proj"])
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=target))
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
 
 
-def setups(base, lora: bool):
-    def make(hf: bool, ckpt: bool, with_lora: bool):
+def _every_n_supported(model) -> bool:
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    return enable is not None and "every_n_layers" in inspect.signature(enable).parameters
+
+
+def setups(base, compiler: str) -> dict:
+    def make(ckpt: str | None = None, with_lora: bool = False, every: int = 1):
         model = copy.deepcopy(base).train()
-        if hf:
+        if every == 1:
             hf_checkpointing_enable(model, use_reentrant=False)
+        else:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                                  every_n_layers=every)
         if with_lora:
             model = _lora(model)
             model.enable_input_require_grads()
-        if ckpt:
-            ckpt_fx.enable(model, compiler="eager")
-        return model
+        if ckpt == "compile":
+            return torch.compile(model, backend=ckpt_fx.backend(compiler=compiler, progress=False)), model
+        if ckpt is not None:
+            ckpt_fx.enable(model, None if ckpt == "default" else ckpt, compiler=compiler, progress=False)
+        return model, model
 
-    out = {"eager": make(False, False, False), "hf": make(True, False, False), "ckpt": make(False, True, False)}
-    if lora:
-        out["hf+lora"] = make(True, False, True)
-        out["hf+lora+ckpt"] = make(True, True, True)
+    out = {"hf": make(), "ckpt": make("default"), "compile": make("compile")}
+    if _every_n_supported(base):
+        out["hf/2"] = make(every=2)
+        out["ckpt/2"] = make("blocks:2", every=2)
+    out["hf+lora"] = make(with_lora=True)
+    out["hf+lora+ckpt"] = make("default", with_lora=True)
     return out
 
 
+PAIRS = (("ckpt", "hf"), ("compile", "hf"), ("ckpt/2", "hf/2"), ("hf+lora+ckpt", "hf+lora"))
+
+
 def measure(models: dict, batch: dict, rounds: int) -> dict[str, tuple[int, float]]:
-    def step(model):
-        model(**batch).loss.backward()
+    def step(fn, model):
+        fn(**batch).loss.backward()
         for p in model.parameters():
             p.grad = None
 
-    for model in models.values():
-        step(model)  # compiles
-        step(model)  # a second shape of requires_grad recompiles once (peft's input hook)
-    peaks = {name: ckpt_fx.peak_bytes(lambda m=model: step(m)) for name, model in models.items()}
+    for fn, model in models.values():
+        step(fn, model)  # compiles
+        step(fn, model)  # a second shape of requires_grad recompiles once (peft's input hook)
+    peaks = {name: ckpt_fx.peak_bytes(lambda f=fn, m=model: step(f, m)) for name, (fn, model) in models.items()}
     times = {name: [] for name in models}
     order = list(models)
     for k in range(rounds):
         for name in order if k % 2 == 0 else reversed(order):
             start = time.perf_counter()
-            step(models[name])
+            step(*models[name])
             times[name].append(time.perf_counter() - start)
     return {name: (peaks[name], statistics.median(times[name])) for name in models}
 
@@ -92,31 +116,35 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--only", default=",".join(MODELS))
+    parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--compiler", choices=("eager", "inductor"), default="eager")
     args = parser.parse_args()
+    # Seven copies of one model compile the same forward: past dynamo's limit of 8 graphs per
+    # function, later setups would run uncompiled (enable says so; this check keeps them compiled).
+    torch._dynamo.config.recompile_limit = 64
     warnings.simplefilter("ignore")
     transformers.logging.set_verbosity_error()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}; batch 4 x 128; peak MB (x hf), step s (x hf)")
-    print("| model | size | eager | hf per-block | ckpt default | default / hf peak | default / hf time | hf+LoRA | hf+LoRA+ckpt | peak ratio | time ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}; inner compiler {args.compiler}; "
+          "batch 4 x 128; each setup's measured peak over its HF counterpart's (and step time)")
+    print("| model | size | hf peak MB | " + " | ".join(f"{a} / {b}" for a, b in PAIRS) + " |")
+    print("|---|---|---:|" + "---:|" * len(PAIRS))
     for name in args.only.split(","):
-        for size, (layers, width) in SIZES.items():
+        for size in args.sizes.split(","):
+            layers, width = SIZES[size]
             torch.manual_seed(0)
             torch._dynamo.reset()
             base = MODELS[name](layers, width)
             ids = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(1))
             batch = dict(input_ids=ids, labels=ids) if name == "bert" else dict(input_ids=ids, labels=ids, use_cache=False)
-            got = measure(setups(base, lora=True), batch, args.rounds)
+            got = measure(setups(base, args.compiler), batch, args.rounds)
 
-            def cell(key):
-                peak, seconds = got[key]
-                return f"{peak / 2**20:.1f} MB, {seconds:.3f} s"
+            def ratio(a: str, b: str) -> str:
+                if a not in got:
+                    return "n/a"
+                return f"{got[a][0] / got[b][0]:.3f} ({got[a][1] / got[b][1]:.2f}x time)"
 
-            def ratio(a, b, i):
-                return f"{got[a][i] / got[b][i]:.3f}"
-
-            print(f"| {name} | {size} | {cell('eager')} | {cell('hf')} | {cell('ckpt')} | {ratio('ckpt', 'hf', 0)} | "
-                  f"{ratio('ckpt', 'hf', 1)} | {cell('hf+lora')} | {cell('hf+lora+ckpt')} | {ratio('hf+lora+ckpt', 'hf+lora', 0)} | "
-                  f"{ratio('hf+lora+ckpt', 'hf+lora', 1)} |", flush=True)
+            print(f"| {name} | {size} | {got['hf'][0] / 2**20:.2f} | " + " | ".join(ratio(a, b) for a, b in PAIRS) + " |",
+                  flush=True)
 
 
 if __name__ == "__main__":
