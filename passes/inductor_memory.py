@@ -102,23 +102,252 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
             graph.bw_donated_idxs = list(donated) if functorch_config.donated_buffer else []
         apart = blocks_kept_apart(recomputed_block) if is_backward else contextlib.nullcontext()
         with V.set_graph_handler(graph), apart:  # Note [A backward's blocks kept apart]
-# A checkpointed backward recomputes block k-1 after block k's gradients, and holds one block's
-# insides at a time only if it runs in that order. Inductor's scheduler does not keep it: it fuses
-# independent nodes that read the same buffer (a horizontal fusion), and block k-1's recomputed
-# RMSNorm and rotary tables read what block k's attention backward reads (the rotary frequencies),
-# so the start of block k-1's recompute ran inside block k's first kernel and its projections
-# followed, alive through block k's backward. So each backward of ours is lowered with no
-# horizontal fusion between nodes recomputed for different blocks (blocks_kept_apart in
-# passes/_compat.py; a node the policy did not ask to recompute fuses as before). Measured on
-# transformers' models 4 x 128 under enable, batch 4 x 128, HF's switch on, CPU: Llama 9.08 ->
-# 8.83 MB (HF's checkpointing: 7.85), Qwen3 1.18x -> 1.05x HF's, Phi3 1.16x -> 1.03x. What is
-# left in Llama's is Inductor's order inside a block (weight gradients after the attention
-# backward); lowering without Inductor's peak-memory reordering took it to 8.20 MB but raised
-# GPT-2's and torch's knob's peaks, so the reordering stays. The memory pass schedules backwards
-# with the same fusion rule.
+            graph.run(*inputs)
+            scheduler = Scheduler(graph.operations)
+            nodes = scheduler.nodes
+            graph_inputs = OrderedSet(graph.graph_inputs.keys())
+            graph_outputs = OrderedSet(graph.get_output_names())
+            # Sizes of the final (fused, ordered) nodes' buffers, as Inductor's own peak-memory
+            # pass computes them (it may be switched off), and its estimate of each step's memory,
+            # which the code generator lets no reused buffer exceed.
+            _, freeable = inductor_memory.prepare_planning_info(
+                nodes, scheduler.name_to_buf, scheduler.name_to_fused_node, graph_inputs, graph_outputs)
+            overall, by_step = inductor_memory.estimate_peak_memory(nodes, freeable, graph_outputs)
+            by_step = list(by_step)
+            in_place = _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode,
+                                 can_match_buffer_size)
+
+            def nbytes(buf) -> int:
+                sizevars = V.graph.sizevars
+                size = sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf.node), fallback=0)
+                return int(size) * get_dtype_size(buf.node.get_dtype())
+
+            storages: list[list[int | None]] = []  # [first step, last step, bytes]
+            kinds: list[str | None] = []  # each storage's reuse key: a later graph's buffer of that key may take it
+            owner: dict[str, int | str] = {}  # buffer -> its storage (an index, or a donated input's name)
+            input_end: dict[str, int | None] = {}
+            pool: dict[object, list[tuple[int, str]]] = {}  # freed buffers a later one of its size may take
+            packed: dict[str, int] = {}  # an extern kernel's tuple of outputs -> the step that made it
+            dropped: set[str] = set()  # buffers local to one fused kernel
+
+            def end(name: str, step: int | None) -> None:
+                """`name`'s storage lives through `step` at least (None: to the graph's end)."""
+                where = owner.get(name, name)
+                ends = storages[where] if isinstance(where, int) else None
+                last = ends[1] if ends is not None else input_end.get(where, -1)
+                last = None if step is None or last is None else max(last, step)
+                if ends is not None:
+                    ends[1] = last
+                else:
+                    input_end[where] = last
+
+            # The code generator's order of events (Scheduler._codegen): on a CPU, consecutive
+            # generated kernels run as one group called before the next extern kernel, so a group's
+            # buffers are all allocated before it runs and what its kernels last read is freed
+            # after it; elsewhere each kernel frees what it last read. Frees go in name order.
+            pending: list[str] = []
+            taken: set[str] = set()  # buffers whose storage a later one was written into
+            group: int | None = None  # the step a CPU group of kernels starts at
+
+            def release(at: int) -> None:
+                nonlocal group
+                for name in sorted(set(pending)):
+                    if name in graph_outputs:
+                        continue
+                    end(name, at)
+                    if name in taken:
+                        continue  # a later buffer was written into its storage: not free
+                    source = scheduler.name_to_buf.get(name) if name in owner else scheduler.name_to_donated_buffer.get(name)
+                    if (source is not None and source.node is not None and source.node.should_allocate()
+                            and name not in graph.removed_buffers and not source.node.get_inputs_that_alias_output()):
+                        pool.setdefault(buffer_reuse_key(source.node), []).append((at, name))
+                pending.clear()
+                group = None
+
+            def allocate(buf, step: int, grouped: bool) -> None:
+                """Give `buf` a storage at `step`: a freed one of its kind while Inductor's estimate
+                of the peak allows, else its own (from the start of the CPU group it runs in)."""
+                name = buf.get_name()
+                key = buffer_reuse_key(buf.node) if buf.node.should_allocate() else None
+                freed = pool.get(key) if key is not None and inductor_config.allow_buffer_reuse else None
+                if freed:
+                    free_step, old = freed.pop()
+                    size = nbytes(buf)
+                    if free_step + 1 == step or size + max(by_step[free_step + 1:step], default=0) <= overall:
+                        for t in range(free_step + 1, step):
+                            by_step[t] += size
+                        owner[name] = owner.get(old, old)
+                        return
+                    freed.append((free_step, old))
+                owner[name] = len(storages)
+                storages.append([group if grouped else step, step, int(buf.mpi_buffer.size_alloc)])
+                kinds.append(None if key is None or not inductor_config.allow_buffer_reuse else repr(key))
+
+            for step, node in enumerate(nodes):
+                extern = node.is_extern()
+                device = node.get_device()
+                on_cpu = device is not None and device.type == "cpu"
+                if extern and step > 0:
+                    release(step - 1)
+                if on_cpu and not extern and group is None:
+                    group = step
+                members = OrderedSet(sub.get_name() for sub in node.get_nodes())
+                generated = not extern and all(isinstance(sub, SchedulerNode) for sub in node.get_nodes())
+                for buf in node.get_outputs():
+                    name = buf.get_name()
+                    if name in in_place and in_place[name] not in dropped:
+                        owner[name] = owner.get(in_place[name], in_place[name])
+                        taken.add(in_place[name])
+                        continue
+                    if generated and name not in graph_outputs and scheduler.can_buffer_be_removed_through_fusion(name, members):
+                        dropped.add(name)  # written and last read inside one fused kernel: the code generator drops it
+                        continue
+                    if isinstance(buf.node.layout, MultiOutputLayout):
+                        packed[name] = step  # an extern kernel's tuple: each element a storage of its own
+                        # A chunked loss head's temporaries, while it runs (passes/head.py).
+                        workspace = max((workspace_bytes(o) for o in buf.node.origins), default=0)
+                        if workspace:
+                            storages.append([step, step, workspace])
+                            kinds.append(None)
+                        continue
+                    if isinstance(buf.node, MultiOutput) and buf.mpi_buffer.size_free:
+                        # An element of the tuple an extern kernel (a custom op, a fallback)
+                        # returned: allocated by that kernel, alive as long as it is read.
+                        owner[name] = len(storages)
+                        made = next((packed[i.get_name()] for i in buf.node.inputs if i.get_name() in packed), step)
+                        storages.append([made, step, int(buf.mpi_buffer.size_free)])
+                        kinds.append(None)
+                        continue
+                    if name in owner:
+                        continue  # its storage was allocated for a view written into it first
+                    layout = buf.node.layout
+                    target = layout.view.get_name() if isinstance(layout, NonOwningLayout) else None
+                    if target in scheduler.name_to_buf:
+                        # Computed straight into a slice of a later buffer (cat's inputs): the code
+                        # generator allocates that buffer here, and this one is a view of it.
+                        if target not in owner:
+                            allocate(scheduler.name_to_buf[target], step, on_cpu and not extern)
+                        owner[name] = owner[target]
+                        continue
+                    if not buf.mpi_buffer.size_alloc:
+                        continue  # an alias, a mutation, or fused away: no storage of its own
+                    allocate(buf, step, on_cpu and not extern)
+                pending.extend(node.last_usage)
+                if extern or not on_cpu:
+                    release(step)
+            release(len(nodes) - 1)
+            # A buffer read through an alias lives as long as Inductor's own timeline says.
+            infos, _, _ = inductor_memory.compute_memory_timeline(nodes, {}, graph_outputs)
+            for info in infos:
+                if info.buffer.get_name() in owner:
+                    end(info.buffer.get_name(), None if info.end_step == -1 else info.end_step)
+            for name in graph_outputs:
+                if name in owner or name in graph_inputs:
+                    end(name, None)
+            returned: list[int | str | None] = []
+            for name in graph.get_output_names():
+                where = owner.get(name, name)
+                returned.append(where if isinstance(where, int) or where in graph_inputs else None)
+            strides: list[tuple[int, ...] | None] = []  # each output's, as Inductor lays it out
+            for out in graph.graph_outputs:
+                try:
+                    strides.append(tuple(int(V.graph.sizevars.optimization_hint(d, fallback=1)) for d in out.get_stride()))
+                except Exception:  # noqa: BLE001 - no tensor, or no fixed layout: its stride is the graph's
+                    strides.append(None)
+            return len(nodes), [tuple(s) for s in storages], input_end, returned, kinds, strides
 
 
-# Note [Predicting adds no guards]
+def _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode, can_match_buffer_size) -> dict[str, str]:
+    """What Inductor's code generator writes in place (Scheduler.decide_inplace_update, decided
+    there as kernels are generated): a generated kernel's output into a buffer or a donated input
+    it is the last reader of, read at the index it writes, of the same dtype and size. {output
+    buffer: the buffer or input whose storage it takes}."""
+    from torch._inductor import ir
+
+    # Inputs that are no buffer of their own to write into (a scatter's or mutation's output, a
+    # tuple), which decide_inplace_update passes over: reading their dtype raises.
+    unwritable = tuple(getattr(ir, name) for name in ("NoneLayout", "MultiOutputLayout", "MutationLayoutSHOULDREMOVE",
+                                                      "CommBufferLayout") if hasattr(ir, name))
+    readable = {**scheduler.name_to_buf, **scheduler.name_to_donated_buffer}
+    step_of = {sub: step for step, node in enumerate(nodes) for sub in node.get_nodes()}
+    in_place: dict[str, str] = {}
+    for step, node in enumerate(nodes):
+        for sub in node.get_nodes():
+            if not isinstance(sub, SchedulerNode):
+                continue
+            for out in sub.get_outputs():
+                name = out.get_name()
+                if (name in graph.removed_buffers or not out.node.should_allocate()
+                        or out.node.get_inputs_that_alias_output() or out.node.get_mutation_names()):
+                    continue
+                for read in sub.read_writes.reads:
+                    source = readable.get(read.name)
+                    if source is None or read.name in in_place.values() or read.name in graph_outputs:
+                        continue
+                    users = [u for u in source.users if isinstance(u.node, BaseSchedulerNode)]
+                    later = [u for u in users if step_of.get(u.node, -1) >= step and u.node.get_name() not in sub.ancestors]
+                    accesses = {d for u in users if step_of.get(u.node) == step
+                                for d in u.node.read_writes.reads_and_writes() if d.name == read.name}
+                    if (len(later) == 1 and later[0].can_inplace and later[0].node is sub and len(accesses) <= 1
+                            and source.node is not None and not isinstance(source.node.get_output_spec(), unwritable)
+                            and can_match_buffer_size(source.node, out.node)):
+                        in_place[name] = read.name
+                        break
+    return in_place
+
+
+
+def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry: dict[object, int],
+                     key_of: dict[torch.fx.Node, object], pinned: set[object], by_block: bool = True) -> tuple[int, int, int] | None:
+    """(forward peak, backward peak, copies) from Inductor's schedules of the two graphs (Note
+    [Inductor's own schedule]), or None when Inductor could not be asked. `entry` is what is live
+    as the backward starts (saved values, incoming gradients, held outputs), by storage key;
+    `key_of` maps the backward's placeholders to those keys; `pinned` keys are never freed.
+    `copies`: the bytes of saved inputs the forward returns as copies of its own (Note [Saved
+    inputs in another layout]), live from the forward's end as the saved values in `entry` are.
+    The forward is scheduled block by block; the backward too when `by_block` (Note [A schedule
+    per block])."""
+    # Saved values no output shares a storage with: AOTAutograd lets Inductor reuse them.
+    out_keys = {key_of.get(a) for a in bw.graph.output_node().all_input_nodes}
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    donated = tuple(i for i, n in enumerate(placeholders)
+                    if isinstance(key_of.get(n), torch.fx.Node) and key_of[n] is not n  # from the forward
+                    and key_of[n] in entry and key_of[n] not in pinned and key_of[n] not in out_keys)
+
+    def own(node: torch.fx.Node) -> str | None:
+        block = getattr(node.meta.get(REGION_KEY), "block", None)
+        return block.name if block is not None else None
+
+    def readers(node: torch.fx.Node) -> set[str]:
+        """The blocks that read a node; through a reader of no block (SDPA run with its RNG
+        state), the blocks that read that one."""
+        blocks = {own(u) for u in node.users}
+        if None in blocks:
+            blocks |= {own(w) for u in node.users if own(u) is None for w in u.users}
+        return blocks - {None}
+
+    def label(node: torch.fx.Node) -> str | None:
+        """A node's block; none for a value another block reads (min-cut's CSE shares masks and
+        rotary tables between blocks, and recomputes them in the backward where a later block
+        reads them)."""
+        blocks = readers(node)
+        return None if blocks - {own(node)} else own(node)
+
+    def shared(node: torch.fx.Node) -> bool:
+        """A value several blocks read."""
+        return len(readers(node)) > 1
+
+    def schedule(gm: torch.fx.GraphModule, segmented: bool, **kwargs) -> tuple:
+        if segmented:
+            try:
+                return segmented_schedule(gm, label=label, shared=shared, **kwargs)
+            except Exception as error:  # noqa: BLE001 - a cut Inductor cannot lower: the whole graph
+                log.info("ckpt_fx: Inductor's schedule per block unavailable (%s: %s); scheduling the whole graph",
+                         type(error).__name__, error)
+        return inductor_schedule(copy_graph_module(gm), **kwargs)
+
+    try:
+        with _without_guards(fw):  # Note [Predicting adds no guards]
             forward = schedule(fw, True, is_backward=False)
             backward = schedule(_restrided(bw, fw, forward[4]), by_block, is_backward=True, donated=donated)
     except Exception as error:  # noqa: BLE001 - any failure: the walk's own prediction stands
@@ -182,6 +411,23 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
                 value = node.meta["val"]
                 node.meta = {**node.meta, "val": value.as_strided(value.shape, changed[node.name])}
     return copy
+
+
+# Note [A backward's blocks kept apart]
+# A checkpointed backward recomputes block k-1 after block k's gradients, and holds one block's
+# insides at a time only if it runs in that order. Inductor's scheduler does not keep it: it fuses
+# independent nodes that read the same buffer (a horizontal fusion), and block k-1's recomputed
+# RMSNorm and rotary tables read what block k's attention backward reads (the rotary frequencies),
+# so the start of block k-1's recompute ran inside block k's first kernel and its projections
+# followed, alive through block k's backward. So each backward of ours is lowered with no
+# horizontal fusion between nodes recomputed for different blocks (blocks_kept_apart in
+# passes/_compat.py; a node the policy did not ask to recompute fuses as before). Measured on
+# transformers' models 4 x 128 under enable, batch 4 x 128, HF's switch on, CPU: Llama 9.08 ->
+# 8.83 MB (HF's checkpointing: 7.85), Qwen3 1.18x -> 1.05x HF's, Phi3 1.16x -> 1.03x. What is
+# left in Llama's is Inductor's order inside a block (weight gradients after the attention
+# backward); lowering without Inductor's peak-memory reordering took it to 8.20 MB but raised
+# GPT-2's and torch's knob's peaks, so the reordering stays. The memory pass schedules backwards
+# with the same fusion rule.
 
 
 # Note [Predicting adds no guards]
