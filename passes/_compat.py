@@ -272,7 +272,10 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
         backward = backward_lowering_config() if kwargs.get("is_backward") else {}
         started = time.perf_counter()
         apart = blocks_kept_apart(block_of) if kwargs.get("is_backward") and block_of else contextlib.nullcontext()
-        with inductor_config.patch(backward), apart:
+        # The backward compiles at its first run, outside compile_with_partitioner's patch: the
+        # partitioner goes into its cache key too, so the key changes with our lowering (the
+        # fusion rule of blocks_kept_apart is no setting Inductor's cache sees).
+        with inductor_config.patch({**backward, "custom_partitioner_fn": Partitioner()}), apart:
             compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
         if kwargs.get("is_backward") and on_backward is not None:
             on_backward(time.perf_counter() - started)
