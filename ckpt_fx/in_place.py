@@ -29,11 +29,14 @@ checkpointed block together on today's vocabularies, and it lies outside the bac
 the backbone's parent has output embeddings (a Hugging Face causal LM: `get_output_embeddings()`),
 enable switches that module too: a training call that passes labels (Trainer's, Lightning's that
 read `.loss`) runs its whole forward compiled, backbone and head in one graph, and the backend
-chunks the head (Note [The loss head in chunks] in passes/head.py). With head="whole", and for a
-call whose head the backend would leave whole (one chunk would cover its tokens: SMALLER_ONLY),
-the head runs eagerly beside the compiled backbone, as the model wrote it: compiled into the graph
-whole, it would only keep more (its logits returned and saved at once; measured on transformers'
-Llama 4 x 128, vocabulary 1000, batch 4 x 128: 1.23x HF's checkpointing, against 1.00x beside). Calls without labels (a loss
+chunks the head (Note [The loss head in chunks] in passes/head.py). With head="whole", and under
+the eager inner compiler for a call whose head the backend would leave whole (one chunk would
+cover its tokens: SMALLER_ONLY), the head runs eagerly beside the compiled backbone, as the model
+wrote it: run as Python in the graph, a whole head keeps its logits twice over (transformers'
+Llama 4 x 128, vocabulary 1000, batch 4 x 128: 1.23x HF's checkpointing, against 1.00x beside).
+Inductor fuses a whole head's log-softmax into its loss, so under Inductor the whole model is
+compiled either way (Llama 4 x 64, vocabulary 2000, batch 4 x 64: 0.76x HF's, against 0.99x with
+the head beside; 4 x 128, vocabulary 1000: the same peak both ways). Calls without labels (a loss
 of the caller's own from the logits; TRL's SFTTrainer, whose fused LM head calls the backbone
 directly and already walks the tokens in chunks of its own) go through the backbone's switch as
 before.
@@ -179,9 +182,9 @@ def _with_head(top: torch.nn.Module, module: torch.nn.Module, chosen: CkptBacken
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("labels") is None or not (self.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        if not _chunked_at(self, kwargs["labels"]):
+        if chosen.options.compiler == "eager" and not _chunked_at(self, kwargs["labels"]):
             # A head one chunk would cover stays whole (SMALLER_ONLY in passes/head.py); whole, it
-            # keeps less run eagerly beside the compiled backbone than compiled into its graph.
+            # keeps less run eagerly beside the backbone than run as Python in its graph.
             return original(*args, **kwargs)
         with _own_checkpointing_off(module) as units:
             # A whole-model graph names its units from the model; where dynamo breaks the graph

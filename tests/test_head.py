@@ -197,9 +197,10 @@ def test_a_head_whose_tokens_fit_one_chunk_stays_whole_and_says_why():
 
 
 def test_under_enable_a_head_one_chunk_would_cover_runs_beside_the_compiled_backbone():
-    """Whole, such a head keeps less run eagerly than compiled into the model's graph (its logits
-    returned and saved together): enable compiles only the backbone for those calls, whose peak is
-    then that of head="whole"; larger calls compile the whole model with the head in chunks."""
+    """Whole, such a head keeps less run eagerly than run as Python in the model's graph (its logits
+    returned and saved together): under the eager inner compiler enable compiles only the backbone
+    for those calls, whose peak is then that of head="whole"; larger calls compile the whole model
+    with the head in chunks."""
     ids = torch.randint(0, 4000, (2, 16))
 
     def step(head_option):
