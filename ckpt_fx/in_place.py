@@ -32,11 +32,9 @@ read `.loss`) runs its whole forward compiled, backbone and head in one graph, a
 chunks the head (Note [The loss head in chunks] in passes/head.py). With head="whole", and under
 the eager inner compiler for a call whose head the backend would leave whole (one chunk would
 cover its tokens: SMALLER_ONLY), the head runs eagerly beside the compiled backbone, as the model
-wrote it: run as Python in the graph, a whole head keeps its logits twice over (transformers'
-Llama 4 x 128, vocabulary 1000, batch 4 x 128: 1.23x HF's checkpointing, against 1.00x beside).
-Inductor fuses a whole head's log-softmax into its loss, so under Inductor the whole model is
-compiled either way (Llama 4 x 64, vocabulary 2000, batch 4 x 64: 0.76x HF's, against 0.99x with
-the head beside; 4 x 128, vocabulary 1000: the same peak both ways). Calls without labels (a loss
+wrote it: run as Python in the graph, a whole head keeps its logits twice over. Inductor fuses a
+whole head's log-softmax into its loss, so under Inductor the whole model is compiled either way
+(the README's table beside HF's checkpointing measures both). Calls without labels (a loss
 of the caller's own from the logits; TRL's SFTTrainer, whose fused LM head calls the backbone
 directly and already walks the tokens in chunks of its own) go through the backbone's switch as
 before.

@@ -421,12 +421,11 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
 # so the start of block k-1's recompute ran inside block k's first kernel and its projections
 # followed, alive through block k's backward. So each backward of ours is lowered with no
 # horizontal fusion between nodes recomputed for different blocks (blocks_kept_apart in
-# passes/_compat.py; a node the policy did not ask to recompute fuses as before). Measured on
-# transformers' models 4 x 128 under enable, batch 4 x 128, HF's switch on, CPU: Llama 9.08 ->
-# 8.83 MB (HF's checkpointing: 7.85), Qwen3 1.18x -> 1.05x HF's, Phi3 1.16x -> 1.03x. What is
-# left in Llama's is Inductor's order inside a block (weight gradients after the attention
-# backward); lowering without Inductor's peak-memory reordering took it to 8.20 MB but raised
-# GPT-2's and torch's knob's peaks, so the reordering stays. The memory pass schedules backwards
+# passes/_compat.py; a node the policy did not ask to recompute fuses as before; the README's
+# table beside HF's checkpointing shows what it changed). What is left is Inductor's order inside a
+# block (weight gradients after the attention backward); lowering without Inductor's peak-memory
+# reordering lowers that too but raises other models' peaks (GPT-2's, torch's knob's), so the
+# reordering stays. The memory pass schedules backwards
 # with the same fusion rule.
 
 
@@ -434,9 +433,9 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
 # Lowering a graph with Inductor records guards on its symbolic sizes in the shape environment
 # dynamo traced it with: the graphs the prediction lowers (a block's segment, a backward given the
 # forward's strides, a candidate plan) are not the graph that runs, and a guard one of them adds
-# (comparing a symbolic stride with its hint) specializes the size for good. Dynamo then compiled
-# every new sequence length under Inductor as a static graph until its recompile limit, and the
-# step ran without a plan. A prediction reads sizes at their hints and adds nothing.
+# (comparing a symbolic stride with its hint) would specialize the size for good: dynamo would
+# compile every new sequence length as a static graph until its recompile limit, and the steps
+# after it would run without a plan. A prediction reads sizes at their hints and adds nothing.
 
 
 def _without_guards(gm: torch.fx.GraphModule):
