@@ -212,7 +212,7 @@ def fit(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(";") if p.strip()]
     start = time.perf_counter()
     _progress(f"planning {workload.name}: {len(policies)} policies, one trace for all")
-    report = f.fit(model, *workload.args, memory=memory[0], policies=policies, optimizer=args.optimizer,
+    report = f.fit(model, *workload.args, memory=memory, policies=policies, optimizer=args.optimizer,
                    precision=args.precision, device=args.device, dtype=args.dtype, progress=True, **workload.kwargs)
     rows = []
     for limit in memory:

@@ -86,6 +86,9 @@ class FitRow:
     """One policy's predicted training step."""
 
     policy: str
+    policy_text: str | None
+    """The policy written as `enable(model, policy=...)` and the backend's options take it (a
+    budget:fit row: its budget in bytes at this memory); None for a policy given as a function."""
     peak_bytes: int
     """Predicted device peak of a training step at the traced batch: weights, gradients, optimizer
     state and activations (Note [What fit adds to the plan])."""
@@ -146,7 +149,11 @@ class FitReport:
     def for_memory(self, memory: int | str) -> FitReport:
         """The same plans judged against another memory size (nothing is traced again)."""
         limit = parse_memory(memory)
-        rows = tuple(t.row(self._step, limit) for t in self._traced)
+        sizes = sorted({t.memory for t in self._traced if t.memory is not None})
+        if sizes and limit not in sizes:
+            raise ValueError(f"for_memory: budget:fit was planned for {', '.join(_size_text(s) for s in sizes)}, "
+                             f"not {_size_text(limit)}; ask fit for it (memory=[...] plans several sizes at once)")
+        rows = tuple(t.row(self._step, limit) for t in self._traced if t.memory in (None, limit))
         fitting = [r for r in rows if r.fits]
         best = min(fitting, key=lambda r: (r.compute_s + r.copy_s, r.recomputed_ops, r.peak_bytes)) if fitting else None
         report = dataclasses.replace(self, rows=rows, memory_bytes=limit, best=best.policy if best else None)
@@ -194,7 +201,9 @@ class FitReport:
             )
         out.append("")
         if self.best is not None:
-            out.append(f"fastest policy that fits at batch {self.batch}: {self.best}")
+            text = next(r.policy_text for r in self.rows if r.policy == self.best)
+            out.append(f"fastest policy that fits at batch {self.batch}: {self.best}"
+                       + (f"; as written for enable: policy={text!r}" if text and text != self.best else ""))
         else:
             fixed = min(r.weights_bytes + r.grads_bytes + r.optimizer_bytes for r in self.rows)
             out.append(f"no policy fits at batch {self.batch}"
@@ -210,7 +219,7 @@ class FitReport:
 def fit(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     *args: Any,
-    memory: int | str = "24GiB",
+    memory: int | str | Sequence[int | str] = "24GiB",
     policies: Sequence[policy_forms.Policy | str] = DEFAULT_POLICIES,
     optimizer: str = "adamw",
     precision: str = "fp32",
@@ -233,12 +242,17 @@ def fit(
     LoRA) and the buffers are cast to it, the trained ones keep theirs (fp32 master weights and
     adapters, as mixed-precision training and peft keep them). `policies` may hold "budget:fit",
     a memory budget of what `memory` leaves after weights and optimizer state ("budget:fit,offload"
-    one that may offload). Rows with offload give the host bytes and the time the copies add
+    one that may offload). `memory` may list several sizes: the step is traced once, budget:fit is
+    planned for each size as if it were asked alone, and the report is the first size's
+    (`for_memory` gives the others'). Rows with offload give the host bytes and the time the copies add
     (torch's activation_offload_cpu_gpu_bw). `progress`: a bar on stderr while planning. Returns a
     FitReport; the largest batch each policy fits is found by evaluating its plan at other batch
     sizes (dimension `batch_dim` of every input that has it is traced as dynamic).
     """
-    limit = parse_memory(memory)
+    limits = [parse_memory(m) for m in memory] if isinstance(memory, (list, tuple)) else [parse_memory(memory)]
+    if not limits:
+        raise ValueError("memory: give at least one size, e.g. '24GiB'")
+    limit = limits[0]
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
     if optimizer not in OPTIMIZER_STATES:
@@ -290,25 +304,34 @@ def fit(
         flops_per_second=ROOFLINES[device][0],
         bandwidth=offload_bandwidth(),
     )
-    cap = limit - step.weights - step.states
-    at_cap = {}  # the budget:fit policies, made for this memory: they may not be reached (warn, not raise)
+    # Each budget:fit is planned once per memory size, as if that size were asked alone: what it
+    # leaves for the step differs (the step is traced once for all of them).
+    wanted: list[tuple[int, int | None, policy_forms.Policy]] = []  # (given policy's index, memory, policy)
+    lenient = []  # the budget:fit policies: they may not be reached (warn, not raise)
     for k, given in enumerate(policies):
-        if _at_the_cap(given):
-            offload = given.partition(",")[2].strip() == "offload"
-            at_cap[k] = policy_forms.budget(_size_text(max(cap, 1)), offload=offload)
-            parsed[k] = at_cap[k]
+        if not _at_the_cap(given):
+            wanted.append((k, None, parsed[k]))
+            continue
+        for size in limits:
+            at_cap = policy_forms.budget(_size_text(max(size - step.weights - step.states, 1)),
+                                         offload=given.partition(",")[2].strip() == "offload")
+            lenient.append(at_cap)
+            wanted.append((k, size, at_cap))
 
-    def name(k: int, policy: policy_forms.Policy) -> str:
-        if k not in at_cap:
-            return policy_forms.policy_name(policy)
-        shown = policies[k]
-        return (f"{shown} ({_size_text(cap)} for the step at {_size_text(limit)})" if cap > 0
-                else f"{shown} (the lowest plan: nothing left at {_size_text(limit)})")
+    def name(k: int, size: int | None, policy: policy_forms.Policy) -> tuple[str, str | None]:
+        """A row's policy as shown, and as text enable and the backend accept as written."""
+        given = policies[k]
+        if size is None:
+            return policy_forms.policy_name(policy), given.strip() if isinstance(given, str) else None
+        cap = size - step.weights - step.states
+        text = f"budget:{policy.shown.strip(chr(39))}" + (",offload" if policy.offload else "")
+        return ((f"{given} ({_size_text(cap)} for the step at {_size_text(size)})" if cap > 0
+                 else f"{given} (the lowest plan: nothing left at {_size_text(size)})"), text)
 
-    planned = _plan(fake, args, kwargs, parsed, precision, lenient=list(at_cap.values()), device=device,
+    planned = _plan(fake, args, kwargs, [w[2] for w in wanted], precision, lenient=lenient, device=device,
                     progress=progress)
-    traced = [_Traced(name(k, policy), tuple(plans), step_flops, _batch_symbols(plans, batch))
-              for k, (policy, (plans, step_flops)) in enumerate(zip(parsed, planned))]
+    traced = [_Traced(*name(k, size, policy), tuple(plans), step_flops, _batch_symbols(plans, batch), size)
+              for (k, size, policy), (plans, step_flops) in zip(wanted, planned)]
     weights_dtype = {DTYPES[k]: k for k in DTYPES}.get(cast, str(cast)) if cast is not None else _dtype_name(params)
     report = FitReport(rows=(), memory_bytes=limit, batch=batch, precision=precision, optimizer=optimizer,
                        parameters=sum(p.numel() for p in params), trainable_parameters=sum(p.numel() for p in train),
@@ -373,9 +396,13 @@ class _Traced:
     """One policy's plans, its step's FLOPs, and per plan (by id) the symbols of the batch."""
 
     policy: str
+    text: str | None
+    """The policy as enable and the backend take it (FitRow.policy_text)."""
     plans: tuple[Plan, ...]
     step_flops: int
     batch_symbols: dict[int, tuple[str, ...]]
+    memory: int | None = None
+    """The memory size a budget:fit policy was made for; None for the others."""
 
     def peak_at(self, step: _Step, batch: int) -> int:
         return max(self._phases(step, batch))
@@ -392,6 +419,7 @@ class _Traced:
         flops = self.step_flops + sum(p.recompute_flops for p in self.plans)
         return FitRow(
             policy=self.policy,
+            policy_text=self.text,
             peak_bytes=peak,
             peak_in="forward/backward" if passes >= optimizer else "optimizer step",
             weights_bytes=step.weights,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -9,8 +10,10 @@ import sys
 import pytest
 import torch
 
+import ckpt_fx
 from ckpt_fx.fit import fit, parse_memory
 from ckpt_fx.bench.models import build
+from passes import step_peak_bytes
 from tests.fit_check import lora, measured_step_peak
 
 POLICIES = ("none", "blocks:every=1,skip_first=0")
@@ -170,6 +173,33 @@ def test_the_plan_at_another_batch_equals_a_trace_at_that_batch():
     four = fit(model, ids, ids, policies=("blocks",), device="cpu")
     eight = fit(model, torch.cat([ids, ids]), torch.cat([ids, ids]), policies=("blocks",), device="cpu")
     assert four._traced[0].peak_at(four._step, 8) == eight.rows[0].peak_bytes
+
+
+def test_each_memory_size_is_planned_as_if_asked_alone():
+    """budget:fit leaves a different budget at each size: one trace, each size's plan its own."""
+    model, ids = tiny_llama()
+    kw = dict(policies=("budget:fit",), device="cpu", optimizer="sgd")
+    both = fit(model, ids, ids, memory=["4MiB", "1GiB"], **kw)
+    for size in ("4MiB", "1GiB"):
+        assert both.for_memory(size).rows == fit(model, ids, ids, memory=size, **kw).rows
+    tight, loose = both.for_memory("4MiB").rows[0], both.for_memory("1GiB").rows[0]
+    assert tight.fits and tight.recompute_flops_fraction > 0 == loose.recompute_flops_fraction
+    with pytest.raises(ValueError, match="budget:fit was planned for 4MiB, 1GiB, not 2GiB"):
+        both.for_memory("2GiB")
+
+
+def test_the_recommended_policy_pasted_into_the_backend_plans_what_fit_predicted():
+    model, ids = tiny_llama()
+    report = fit(model, ids, ids, memory="4MiB", policies=("none", "budget:fit"), device="cpu", optimizer="sgd")
+    row = report.rows[1]
+    assert report.best == row.policy and row.policy_text == "budget:2.27MiB"
+    assert f"as written for enable: policy='{row.policy_text}'" in str(report)
+    backend = ckpt_fx.backend(policy=row.policy_text, compiler="eager", logits="drop")
+    torch.compile(copy.deepcopy(model), backend=backend)(ids, ids).backward()
+    assert step_peak_bytes(backend.plans) == step_peak_bytes(report._traced[1].plans)
+    # The same ops recomputed (the fake trace names its nodes apart: it carries the batch's symbol).
+    assert [(len(p.recomputed), p.recompute_flops) for p in backend.plans] == [
+        (len(p.recomputed), p.recompute_flops) for p in report._traced[1].plans]
 
 
 @pytest.mark.parametrize("bad, message", [
