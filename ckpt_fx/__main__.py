@@ -176,7 +176,8 @@ def _workload(args: argparse.Namespace):
     from ckpt_fx.bench import workloads
 
     return workloads.workload(args.model, layers=args.layers, dim=args.dim, heads=args.heads, batch=args.batch,
-                              seq=args.seq, overrides=workloads.parse_overrides(args.config))
+                              seq=args.seq, overrides=workloads.parse_overrides(args.config),
+                              default_layers=args.default_layers)
 
 
 def explain(args: argparse.Namespace) -> int:
@@ -229,16 +230,18 @@ def fit(args: argparse.Namespace) -> int:
 
 def _model_options(p: argparse.ArgumentParser, *, model: str, layers: int) -> None:
     p.add_argument("--model", default=model,
-                   help="gpt2 (transformers' GPT2LMHeadModel), llama or gpt (built-in), hf:<ConfigClass> "
-                        "(any transformers causal-LM config, e.g. hf:LlamaConfig), or module:function "
-                        "(a factory returning (model, args) or (model, args, kwargs))")
+                   help="a config.json: its path, a directory holding one, or a hub name (transformers' "
+                        "AutoConfig; causal, seq2seq or masked LM); gpt2 (transformers' GPT2LMHeadModel), llama or "
+                        "gpt (built-in); hf:<ConfigClass> (any transformers causal-LM config, e.g. hf:LlamaConfig); "
+                        "or module:function (a factory returning (model, args) or (model, args, kwargs))")
     p.add_argument("--config", help="config overrides, e.g. 'num_key_value_heads=2,rope_theta=1e4' "
-                                    "(built-in and hf: models)")
-    p.add_argument("--layers", type=_count, default=layers)
-    p.add_argument("--dim", type=_count, default=256)
-    p.add_argument("--heads", type=_count, default=4)
+                                    "(config files, built-in and hf: models)")
+    p.add_argument("--layers", type=_count, help=f"blocks (default: a config file's own, else {layers})")
+    p.add_argument("--dim", type=_count, help="width (default: a config file's own, else 256)")
+    p.add_argument("--heads", type=_count, help="attention heads (default: a config file's own, else 4)")
     p.add_argument("--batch", type=_count, default=8)
     p.add_argument("--seq", type=_count, default=256)
+    p.set_defaults(default_layers=layers)
 
 
 POLICY_HELP = ('"blocks", "blocks:N", "blocks:every=N,skip_first=K", "segments:N", "sqrt", "selective", '

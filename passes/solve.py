@@ -44,11 +44,14 @@ would cut short anyway).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from passes.sizes import format_size
@@ -395,6 +398,30 @@ def milp(problem: Problem, budget: int, *, node_limit: int = NODE_LIMIT) -> Solu
     return _milp(problem, budget=budget, node_limit=node_limit)
 
 
+# Note [HiGHS's own prints]
+# HiGHS (scipy's MILP solver) writes some lines from C++ straight to the process's standard output
+# whatever its options say (e.g. "HighsMipSolverData::transformNewIntegerFeasibleSolution
+# tmpSolver.run();"), into the middle of a report a user may pipe to a file. While it solves, file
+# descriptor 1 points at the null device; where stdout has no descriptor (an embedding host),
+# nothing is redirected.
+@contextlib.contextmanager
+def _solver_print_dropped() -> Iterator[None]:
+    """Standard output's descriptor sent to the null device (Note [HiGHS's own prints])."""
+    try:
+        sys.stdout.flush()
+        kept = os.dup(1)
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(kept, 1)
+        os.close(kept)
+
+
 def _milp(problem: Problem, *, budget: int | None, node_limit: int) -> Solution:
     """budget=None minimises the device bytes instead of cost (the smallest feasible budget)."""
     import numpy as np
@@ -429,13 +456,14 @@ def _milp(problem: Problem, *, budget: int | None, node_limit: int) -> Solution:
         upper = np.append(model.upper, budget)
     width = len(model.ub)
     for _ in range(BUDGET_RETRIES + 1):
-        result = scipy_milp(
-            objective,
-            constraints=LinearConstraint(a, lower, upper),
-            integrality=np.concatenate([np.ones(width - model.units), np.zeros(model.units)]),
-            bounds=Bounds(np.zeros(width), model.ub),
-            options={"node_limit": node_limit, "time_limit": SAFETY_SECONDS, "mip_rel_gap": 1e-9},
-        )
+        with _solver_print_dropped():
+            result = scipy_milp(
+                objective,
+                constraints=LinearConstraint(a, lower, upper),
+                integrality=np.concatenate([np.ones(width - model.units), np.zeros(model.units)]),
+                bounds=Bounds(np.zeros(width), model.ub),
+                options={"node_limit": node_limit, "time_limit": SAFETY_SECONDS, "mip_rel_gap": 1e-9},
+            )
         if budget is None or result.x is None:
             break
         # Note [A plan within its budget]

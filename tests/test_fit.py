@@ -247,3 +247,76 @@ def test_cli_writes_one_json_row_per_memory_and_policy(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ckpt_fx", "fit", "--memory", "lots"], capture_output=True, text=True,
                          timeout=600)
     assert bad.returncode == 2 and "memory: expected a positive size" in bad.stderr
+
+
+def _llama_config(tmp_path, **fields):
+    """A config.json as a hub repository holds one: a small Llama-3 (grouped-query attention, its
+    rope theta, bf16 as the stored dtype)."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 224, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 512, "max_position_embeddings": 256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", **fields}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_a_config_json_plans_the_model_it_describes(tmp_path):
+    """--model takes a config.json (or its directory): the model built is the one those fields
+    describe, planned as the same model built from its config class."""
+    pytest.importorskip("transformers")
+    from ckpt_fx.bench.workloads import hf_workload, workload
+
+    path = _llama_config(tmp_path)
+    from_file, from_dir = workload(str(path), batch=2, seq=32), workload(str(tmp_path), batch=2, seq=32)
+    by_class = hf_workload("LlamaConfig", layers=2, dim=64, heads=4, vocab=512, batch=2, seq=32,
+                           overrides={"intermediate_size": 224, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
+    shapes = lambda w: [(n, p.shape) for n, p in w.model.named_parameters()]  # noqa: E731
+    assert shapes(from_file) == shapes(from_dir) == shapes(by_class)
+    assert type(from_file.model).__name__ == "LlamaForCausalLM"
+    policies = ("blocks:every=1,skip_first=0",)
+    planned = [fit(w.model, memory="1GiB", policies=policies, device="cpu", **w.kwargs).rows[0].peak_bytes
+               for w in (from_file, by_class)]
+    assert planned[0] == planned[1]
+    smaller = workload(str(path), layers=1, batch=2, seq=32)  # --layers overrides the file's
+    assert smaller.model.config.num_hidden_layers == 1
+
+
+@pytest.mark.parametrize("config, kind", [
+    ({"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16, "vocab_size": 300,
+      "decoder_start_token_id": 0, "pad_token_id": 0},
+     "T5ForConditionalGeneration"),
+    ({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "vocab_size": 300}, "BertForMaskedLM"),
+])
+def test_a_seq2seq_or_encoder_config_is_built_as_its_language_model(tmp_path, config, kind):
+    pytest.importorskip("transformers")
+    from ckpt_fx.bench.workloads import workload
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    built = workload(str(path), batch=2, seq=16)
+    assert type(built.model).__name__ == kind
+    report = fit(built.model, memory="1GiB", policies=("blocks",), device="cpu", **built.kwargs)
+    assert report.rows[0].fits and report.parameters == sum(p.numel() for p in built.model.parameters())
+
+
+def test_a_bad_config_is_named_in_one_line(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from ckpt_fx.__main__ import main
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other.json").write_text(json.dumps({"not": "a config"}))
+    path = _llama_config(tmp_path)
+    for model, extra, message in [
+        (str(tmp_path / "missing.json"), [], "no such file"),
+        (str(tmp_path / "empty"), [], "the directory holds no config.json"),
+        (str(tmp_path / "other.json"), [], "transformers cannot read it as a model config"),
+        (str(path), ["--config", "no_such_key=1"], "has no attribute 'no_such_key'"),
+        (str(path), ["--seq", "512"], "longer than the config's max_position_embeddings (256)"),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            main(["fit", "--model", model, "--batch", "2", *extra])
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert stopped.value.code == 2 and len(errors) == 1 and message in errors[0], err

@@ -315,3 +315,16 @@ def test_a_milp_plan_keeps_within_its_budget_where_the_solvers_tolerance_would_l
     from passes.solve import pareto_front
     front = pareto_front(problem)
     assert front.exact and all(b <= a for a, b in zip(front.nbytes, front.nbytes[1:]))
+
+
+def test_what_the_solver_prints_to_the_process_stdout_is_dropped(capfd):
+    """HiGHS prints some lines from C++ to file descriptor 1 (Note [HiGHS's own prints]); they
+    must not land in a report on stdout, and stdout works again afterwards."""
+    import os
+
+    from passes.solve import _solver_print_dropped
+
+    with _solver_print_dropped():
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+    os.write(1, b"after\n")
+    assert capfd.readouterr().out == "after\n"

@@ -4,6 +4,7 @@ user's `module:function` factory."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,10 +71,81 @@ def builtin_workload(name: str = "llama", *, batch: int = 8, seq: int = 256, **c
 
 
 MODEL_FORMS = (
+    "a config.json (a file, a directory holding one, or a hub name such as meta-llama/Meta-Llama-3-8B), "
     "gpt2 (transformers' GPT2LMHeadModel), llama or gpt (built-in), hf:<ConfigClass> (any transformers "
     "causal-LM config, e.g. hf:LlamaConfig), or <module>:<function> (a factory returning a Workload, "
     "(model, args) or (model, args, kwargs))"
 )
+
+
+LANGUAGE_MODEL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM")
+"""The model classes a config's `architectures` may name that train on token labels."""
+
+
+def names_a_config(model: str) -> bool:
+    """`model` names a transformers config: a .json file, a directory, or a hub name (owner/name)."""
+    import os
+
+    return model.endswith(".json") or os.path.isdir(model) or ("/" in model and ":" not in model)
+
+
+def config_workload(source: str, *, batch: int = 8, seq: int = 256, layers: int | None = None, dim: int | None = None,
+                    heads: int | None = None, overrides: dict[str, Any] | None = None) -> Workload:
+    """The model a transformers config describes (random weights, train mode), read by
+    transformers' AutoConfig from a config.json file, a directory holding one, or a hub name (the
+    hub is asked only when no such file or directory exists). `layers`, `dim`, `heads` (when
+    given) and `overrides` are set on the config; built as the language model its `architectures`
+    names (as a hub config.json does), else as a causal LM where transformers can, else as a
+    seq2seq LM, else as a masked LM. Fed random token ids as input and labels."""
+    import os
+
+    import transformers
+
+    where = f"model {source!r}"
+    if source.endswith(".json") and not os.path.isfile(source):
+        raise ValueError(f"{where}: no such file")
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise ValueError(f"{where}: the directory holds no config.json")
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        local = os.path.exists(source)
+        why = "transformers cannot read it as a model config" if local else (
+            "not a local file or directory, and no config came from the hub under that name (offline?)")
+        raise ValueError(f"{where}: {why}: {str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+    sizes = {"num_hidden_layers": layers, "hidden_size": dim, "num_attention_heads": heads}
+    width, count = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    derived = isinstance(width, int) and isinstance(count, int) and count > 0 and getattr(config, "head_dim", None) == width // count
+    if (dim or heads) and derived and "head_dim" not in (overrides or {}):  # a head's width follows, as in the file
+        sizes["head_dim"] = (dim or width) // (heads or count)
+    for key, value in [*((k, v) for k, v in sizes.items() if v is not None), *(overrides or {}).items()]:
+        if key != "attn_implementation" and not hasattr(config, key):
+            raise ValueError(f"{where}: the config ({type(config).__name__}) has no attribute {key!r}")
+        setattr(config, key, value)
+    longest = getattr(config, "max_position_embeddings", None)
+    if isinstance(longest, int) and longest < seq:
+        raise ValueError(f"{where}: --seq {seq} is longer than the config's max_position_embeddings ({longest})")
+    torch.manual_seed(0)
+    model = None
+    named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or ()
+             if a.endswith(LANGUAGE_MODEL_HEADS)]
+    for kind in (*filter(None, named), transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM,
+                 transformers.AutoModelForMaskedLM):
+        try:
+            model = (kind.from_config(config) if kind.__name__.startswith("Auto") else kind(config)).train()
+            break
+        except ValueError:  # transformers: this config has no model of that kind
+            continue
+    if model is None:
+        raise ValueError(f"{where}: transformers builds no causal, seq2seq or masked LM from a "
+                         f"{type(config).__name__}")
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    kwargs: dict[str, Any] = {"input_ids": ids, "labels": ids}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False
+    blocks = getattr(config, "num_hidden_layers", "?")
+    return Workload(name=f"{type(model).__name__} from {source} ({blocks} layers), batch {batch}x{seq}",
+                    model=model, kwargs=kwargs)
 
 
 def hf_workload(config_class: str, *, layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 1000,
@@ -91,24 +163,27 @@ def hf_workload(config_class: str, *, layers: int = 12, dim: int = 256, heads: i
         raise ValueError(f"model 'hf:{config_class}': transformers has no config class {config_class!r} "
                          "(e.g. hf:LlamaConfig, hf:GPT2Config, hf:MistralConfig)")
     torch.manual_seed(0)
-    config = cls()
+    defaults = cls()
     settings: dict[str, Any] = {"num_hidden_layers": layers, "hidden_size": dim, "num_attention_heads": heads,
                                 "vocab_size": vocab}
-    if hasattr(config, "intermediate_size"):
+    if hasattr(defaults, "intermediate_size"):
         settings["intermediate_size"] = 4 * dim
-    if hasattr(config, "num_key_value_heads"):  # grouped-query attention, as the models people train use
+    if hasattr(defaults, "num_key_value_heads"):  # grouped-query attention, as the models people train use
         settings["num_key_value_heads"] = heads // 2 if heads % 2 == 0 else heads
-    if getattr(config, "max_position_embeddings", seq) < seq:
+    if getattr(defaults, "max_position_embeddings", seq) < seq:
         settings["max_position_embeddings"] = seq
+    for key in (overrides or {}):
+        if key != "attn_implementation" and not hasattr(defaults, key):
+            raise ValueError(f"model 'hf:{config_class}': the config has no attribute {key!r}")
     settings.update(overrides or {})
     attention = settings.pop("attn_implementation", None)  # not a config attribute: from_config takes it
-    for key, value in settings.items():
-        if key in (overrides or {}) and not hasattr(config, key):
-            raise ValueError(f"model 'hf:{config_class}': the config has no attribute {key!r}")
-        setattr(config, key, value)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(config, key, None) is not None and getattr(config, key) >= config.vocab_size:
-            setattr(config, key, 0)
+        if key not in settings and getattr(defaults, key, None) is not None and getattr(defaults, key) >= settings["vocab_size"]:
+            settings[key] = 0
+    # Given to the constructor, not set afterwards: a config derives some fields from others there
+    # (Llama's head_dim from the width and heads), which a later setattr would leave at the default
+    # model's.
+    config = cls(**settings)
     try:
         extra = {"attn_implementation": attention} if attention is not None else {}
         model = transformers.AutoModelForCausalLM.from_config(config, **extra).train()
@@ -150,9 +225,15 @@ def factory_workload(spec: str) -> Workload:
                      "expected a Workload, (model, args) or (model, args, kwargs)")
 
 
-def workload(model: str, *, layers: int = 12, dim: int = 256, heads: int = 4, batch: int = 8, seq: int = 256,
-             overrides: dict[str, Any] | None = None) -> Workload:
-    """A workload by name (MODEL_FORMS); `overrides` set config attributes (built-in and hf: models)."""
+def workload(model: str, *, layers: int | None = None, dim: int | None = None, heads: int | None = None,
+             batch: int = 8, seq: int = 256, overrides: dict[str, Any] | None = None,
+             default_layers: int = 12) -> Workload:
+    """A workload by name (MODEL_FORMS); `overrides` set config attributes (config files, built-in
+    and hf: models). A config file keeps its own layers, width and heads where they are not given;
+    the other forms take `default_layers`, 256 and 4."""
+    if names_a_config(model):
+        return config_workload(model, batch=batch, seq=seq, layers=layers, dim=dim, heads=heads, overrides=overrides)
+    layers, dim, heads = layers or default_layers, dim or 256, heads or 4
     if model == "gpt2" and not overrides:
         return gpt2_workload(layers=layers, dim=dim, heads=heads, batch=batch, seq=seq)
     if model == "gpt2":
