@@ -310,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ft.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw")
     ft.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="where the step would run (how the optimizer holds its temporaries)")
-    ft.add_argument("--lora", help="train peft LoRA adapters on a frozen base, e.g. 'r=16' or 'r=16,alpha=32'")
+    ft.add_argument("--lora", help="train peft LoRA adapters on a frozen base: r=N[,alpha=M][,dropout=P]"
+                    "[,target_modules=all-linear|NAME|[NAME,...]] (peft's names; default targets: peft's for the "
+                    "model), e.g. 'r=16,alpha=32,dropout=0.05,target_modules=all-linear'")
     ft.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                     help="the weights' dtype: the frozen base (under --lora) and buffers are cast to it, trained "
                          "parameters keep theirs (fp32 master weights and adapters); default: as built (fp32)")

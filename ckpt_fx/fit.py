@@ -439,28 +439,69 @@ class _Traced:
         )
 
 
-def parse_lora(text: str) -> dict[str, int]:
-    """'r=16' or 'r=16,alpha=32' to keyword arguments of with_lora."""
-    out: dict[str, int] = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("r", "alpha") or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"--lora: expected r=N[,alpha=M] with positive integers, got {text!r}")
-        out[key.strip()] = int(value)
+LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "lora_alpha": "lora_alpha", "dropout": "lora_dropout",
+             "lora_dropout": "lora_dropout", "target_modules": "target_modules"}
+"""--lora's keys (peft's LoraConfig names, and r, alpha, dropout for short) to LoraConfig's."""
+LORA_FORM = ("r=N[,alpha=M][,dropout=P][,target_modules=all-linear|NAME|[NAME,NAME,...]] "
+             "(peft's names lora_alpha and lora_dropout too)")
+
+
+def parse_lora(text: str) -> dict[str, Any]:
+    """--lora's text to keyword arguments of with_lora, e.g. 'r=16,alpha=32,dropout=0.05,
+    target_modules=all-linear' or 'r=8,target_modules=[q_proj,v_proj]'."""
+    items, depth, current = [], 0, ""
+    for ch in text:  # split on commas outside brackets
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    items.append(current)
+    out: dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in items)):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in LORA_KEYS or not value:
+            raise ValueError(f"--lora: cannot read {item!r}; expected {LORA_FORM}")
+        name = LORA_KEYS[key]
+        if name in out:
+            raise ValueError(f"--lora: {key} given twice in {text!r}")
+        if name == "r" or name == "lora_alpha":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--lora: {key} must be a whole number >= 1, got {value!r}")
+            out[name] = int(value)
+        elif name == "lora_dropout":
+            try:
+                out[name] = float(value)
+            except ValueError:
+                out[name] = -1.0
+            if not 0 <= out[name] < 1:
+                raise ValueError(f"--lora: {key} must be a probability in [0, 1), got {value!r}")
+        else:
+            names = value[1:-1].split(",") if value.startswith("[") and value.endswith("]") else [value]
+            names = [n.strip() for n in names if n.strip()]
+            if not names or "[" in value[1:] or "]" in value[:-1]:
+                raise ValueError(f"--lora: target_modules must be all-linear, a module name or [NAME,NAME,...], "
+                                 f"got {value!r}")
+            out[name] = names[0] if value == names[0] else names
     if "r" not in out:
-        raise ValueError(f"--lora: the rank r=N is required, got {text!r}")
+        raise ValueError(f"--lora: the rank r=N is required, got {text!r}; expected {LORA_FORM}")
     return out
 
 
-def with_lora(model: torch.nn.Module, *, r: int, alpha: int | None = None) -> torch.nn.Module:
-    """`model` with peft's LoRA adapters of rank r (peft's default target modules for the model's
-    type), the base frozen. Needs peft (pip install peft)."""
+def with_lora(model: torch.nn.Module, *, r: int, lora_alpha: int | None = None, lora_dropout: float = 0.0,
+              target_modules: str | list[str] | None = None, alpha: int | None = None) -> torch.nn.Module:
+    """`model` with peft's LoRA adapters of rank r, the base frozen: on `target_modules` (peft's
+    forms: "all-linear", a name, or a list of names; default peft's targets for the model's type),
+    `lora_alpha` (default 2r; `alpha` is the same) and `lora_dropout` (default 0). Needs peft
+    (pip install peft)."""
     try:
         import peft
     except ImportError:
         raise ImportError("LoRA planning needs peft: pip install peft (or the project's [test] extra)") from None
     try:
-        config = peft.LoraConfig(r=r, lora_alpha=alpha or 2 * r, lora_dropout=0.0)
+        config = peft.LoraConfig(r=r, lora_alpha=lora_alpha or alpha or 2 * r, lora_dropout=lora_dropout,
+                                 target_modules=target_modules)
         with warnings.catch_warnings():
             # peft asks transformers under a name transformers 5 deprecates (is_gradient_checkpointing):
             # theirs to change, not the user's.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -89,6 +90,42 @@ def test_a_half_precision_base_under_lora_is_predicted_within_ten_percent(dtype)
         torch._dynamo.reset()
         measured = measured_step_peak(cast, (), kwargs, policy=policy, precision="bf16-mixed")
         assert abs(row.peak_bytes - measured) <= 0.10 * measured, (policy, row.peak_bytes, measured)
+
+
+def test_lora_as_people_set_it_every_linear_layer_with_dropout_is_predicted_within_ten_percent():
+    """--lora with peft's own settings: adapters on every linear layer but the output head,
+    dropout on their inputs; the prediction against a real step of the same model."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from ckpt_fx.fit import parse_lora, with_lora
+
+    settings = parse_lora("r=8,alpha=16,dropout=0.1,target_modules=all-linear")
+    assert settings == {"r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "target_modules": "all-linear"}
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=500, max_position_embeddings=64)
+    model = with_lora(transformers.LlamaForCausalLM(cfg), **settings)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    assert len(adapted) == 2 * 7 and not any("lm_head" in n for n in adapted)  # q, k, v, o, gate, up, down
+    ids = torch.randint(0, 500, (4, 32))
+    kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    policy = "blocks:every=1,skip_first=0"
+    row = fit(model, memory="1GiB", policies=(policy,), device="cpu", **kwargs).rows[0]
+    measured = measured_step_peak(model, (), kwargs, policy=policy, precision="fp32")
+    assert abs(row.peak_bytes - measured) <= 0.10 * measured, (row.peak_bytes, measured)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("alpha=32", "the rank r=N is required"),
+    ("r=16,dropout=1.5", "dropout must be a probability in [0, 1)"),
+    ("r=16,rank=4", "cannot read 'rank=4'"),
+    ("r=16,target_modules=[]", "target_modules must be all-linear"),
+])
+def test_bad_lora_settings_are_named(text, message):
+    from ckpt_fx.fit import parse_lora
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_lora(text)
 
 
 def test_when_nothing_fits_the_report_names_what_would():
