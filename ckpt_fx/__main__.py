@@ -313,9 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     ft.add_argument("--lora", help="train peft LoRA adapters on a frozen base: r=N[,alpha=M][,dropout=P]"
                     "[,target_modules=all-linear|NAME|[NAME,...]] (peft's names; default targets: peft's for the "
                     "model), e.g. 'r=16,alpha=32,dropout=0.05,target_modules=all-linear'")
-    ft.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+    ft.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "nf4"), default=None,
                     help="the weights' dtype: the frozen base (under --lora) and buffers are cast to it, trained "
-                         "parameters keep theirs (fp32 master weights and adapters); default: as built (fp32)")
+                         "parameters keep theirs (fp32 master weights and adapters); nf4: the base's linear layers "
+                         "in 4 bits as bitsandbytes holds them for QLoRA (double quantisation), the rest in bf16; "
+                         "default: as built (fp32)")
     ft.add_argument("--policies", default="none;blocks;selective;sqrt;offload;budget:fit;"
                                           "budget:fit,offload",
                     help="';'-separated policies to plan; budget:fit is a memory budget of what --memory leaves "

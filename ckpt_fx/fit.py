@@ -47,6 +47,7 @@ import torch
 
 from ckpt_fx import policies as policy_forms
 from ckpt_fx.dynamo_backend import CkptBackend, Options
+from ckpt_fx.nf4 import NF4Linear, quantize_frozen, weights_as_4bit
 from ckpt_fx.report import _fresh_function, training_loss
 from passes import Plan, step_peak_bytes
 from passes.graphs import copy_graph_module
@@ -64,7 +65,10 @@ BUDGET_AT_THE_CAP = "budget:fit"
 ("budget:fit,offload": one that may keep saved values in host memory too)."""
 PRECISIONS = ("fp32", "bf16-mixed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The weights' dtypes fit takes by name (`dtype`, --dtype)."""
+"""The weights' dtypes fit takes by name (`dtype`, --dtype), and NF4."""
+NF4 = "nf4"
+"""`dtype`: the frozen base's linear layers in 4-bit NF4 as bitsandbytes holds them for QLoRA, the
+rest of it in bf16 (Note [Planning a 4-bit base] in ckpt_fx/nf4.py)."""
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """Tensors of state per trainable parameter (SGD: its momentum buffer)."""
 DEVICES = ("cuda", "cpu")
@@ -176,6 +180,10 @@ class FitReport:
             if step.frozen_fp32:
                 half = step.weights - step.frozen_fp32 // 2
                 out.append(f"a bf16 base (--dtype bf16): weights {format_size(half)} instead of {format_size(step.weights)}")
+            if step.weights_4bit < step.weights:
+                lowest = min(r.peak_bytes for r in self.rows) - step.weights + step.weights_4bit
+                out.append(f"a 4-bit base (--dtype nf4, QLoRA): weights {format_size(step.weights_4bit)} instead of "
+                           f"{format_size(step.weights)}, the lowest plan's peak about {format_size(lowest)}")
         if not any(r.offloaded_bytes for r in self.rows):
             out.append("offload (policy offload, or budget:fit,offload): saved activations in host memory")
         return out
@@ -240,7 +248,9 @@ def fit(
     ("cuda" or "cpu": how the optimizer holds its temporaries). `dtype` ("bf16", "fp16", "fp32" or
     a torch dtype): the weights' dtype; the parameters that are not trained (a frozen base under
     LoRA) and the buffers are cast to it, the trained ones keep theirs (fp32 master weights and
-    adapters, as mixed-precision training and peft keep them). `policies` may hold "budget:fit",
+    adapters, as mixed-precision training and peft keep them); "nf4": the frozen linear layers in
+    4-bit NF4 as bitsandbytes holds them for QLoRA, the rest of the base in bf16 (Note [Planning a
+    4-bit base] in ckpt_fx/nf4.py). `policies` may hold "budget:fit",
     a memory budget of what `memory` leaves after weights and optimizer state ("budget:fit,offload"
     one that may offload). `memory` may list several sizes: the step is traced once, budget:fit is
     planned for each size as if it were asked alone, and the report is the first size's
@@ -259,7 +269,8 @@ def fit(
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
-    cast = _dtype(dtype)
+    four_bit = isinstance(dtype, str) and dtype.strip().lower() == NF4
+    cast = None if four_bit else _dtype(dtype)
     parsed = [p if _at_the_cap(p) else policy_forms.parse(p) for p in policies]
     if not parsed:
         raise ValueError("policies: give at least one policy, e.g. ('none', 'blocks')")
@@ -285,6 +296,9 @@ def fit(
             p.requires_grad_(any(fnmatch.fnmatchcase(name, pat) for pat in patterns))
     if cast is not None:
         _cast_frozen(fake, cast)
+    if four_bit:
+        with mode:  # the 4-bit layers' tensors fake too: nothing allocated
+            quantize_frozen(fake, torch.bfloat16)
     args, kwargs = pytree.tree_map(lambda x: _fake(mode, x), (args, kwargs))
     batch = _mark_batch(args, kwargs, batch_dim)
 
@@ -301,6 +315,7 @@ def fit(
         batch=batch,
         trainable_share=sum(p.numel() for p in train) / max(1, sum(p.numel() for p in params)),
         frozen_fp32=sum(_nbytes(p) for p in params if not p.requires_grad and p.dtype == torch.float32),
+        weights_4bit=weights_as_4bit(fake),
         flops_per_second=ROOFLINES[device][0],
         bandwidth=offload_bandwidth(),
     )
@@ -332,9 +347,10 @@ def fit(
                     progress=progress)
     traced = [_Traced(*name(k, size, policy), tuple(plans), step_flops, _batch_symbols(plans, batch), size)
               for (k, size, policy), (plans, step_flops) in zip(wanted, planned)]
-    weights_dtype = {DTYPES[k]: k for k in DTYPES}.get(cast, str(cast)) if cast is not None else _dtype_name(params)
+    weights_dtype = (NF4 if four_bit else {DTYPES[k]: k for k in DTYPES}.get(cast, str(cast)) if cast is not None
+                     else _dtype_name(params))
     report = FitReport(rows=(), memory_bytes=limit, batch=batch, precision=precision, optimizer=optimizer,
-                       parameters=sum(p.numel() for p in params), trainable_parameters=sum(p.numel() for p in train),
+                       parameters=_parameter_count(fake), trainable_parameters=sum(p.numel() for p in train),
                        best=None, weights_dtype=weights_dtype, _step=step, _traced=tuple(traced))
     return report.for_memory(limit)
 
@@ -350,7 +366,14 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype.strip().lower() in DTYPES:
         return DTYPES[dtype.strip().lower()]
-    raise ValueError(f"dtype: expected one of {', '.join(DTYPES)} (or a floating torch dtype), got {dtype!r}")
+    raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, {NF4} (or a floating torch dtype), got {dtype!r}")
+
+
+def _parameter_count(model: torch.nn.Module) -> int:
+    """The model's parameters, a 4-bit layer's counted as its matrix's values, not its packed bytes."""
+    packed = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    return (sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in packed)
+            + sum(m.in_features * m.out_features for m in packed))
 
 
 def _dtype_name(params: list[torch.Tensor]) -> str:
@@ -385,6 +408,8 @@ class _Step:
     trainable_share: float = 1.0
     """Trainable parameters over all parameters."""
     frozen_fp32: int = 0
+    weights_4bit: int = 0
+    """What the weights and buffers would take with the frozen base in 4 bits (--dtype nf4)."""
     """Bytes of the fp32 parameters that are not trained (what a bf16 base halves)."""
     flops_per_second: float = 4e14
     bandwidth: float = 50 * 2**30
