@@ -206,7 +206,7 @@ def test_models_by_config_class_and_by_factory(capsys):
         ("llama", {"no_such_key": 1}, r"unknown config key\(s\) \['no_such_key'\]; valid: dropout"),
         ("no_such_module:f", None, "cannot import module 'no_such_module'"),
         ("tests.test_bench:no_such_function", None, "has no function 'no_such_function'"),
-        ("resnet", None, "unknown model 'resnet'; valid: gpt2"),
+        ("resnet", None, "unknown model 'resnet'; valid: a config.json"),
     ]:
         with pytest.raises(ValueError, match=fragment):
             workloads.workload(spec, layers=1, dim=32, heads=2, batch=1, seq=8, overrides=overrides)
