@@ -214,7 +214,8 @@ def fit(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     _progress(f"planning {workload.name}: {len(policies)} policies, one trace for all")
     report = f.fit(model, *workload.args, memory=memory, policies=policies, optimizer=args.optimizer,
-                   precision=args.precision, device=args.device, dtype=args.dtype, progress=True, **workload.kwargs)
+                   precision=args.precision, device=args.device, dtype=args.dtype, progress=True,
+                   seq_dim=1 if args.max_seq else None, **workload.kwargs)
     rows = []
     for limit in memory:
         report = report.for_memory(limit)
@@ -323,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="';'-separated policies to plan; budget:fit is a memory budget of what --memory leaves "
                          "after weights and optimizer state, budget:fit,offload one that may keep saved values in "
                          "host memory")
+    ft.add_argument("--max-seq", action="store_true",
+                    help="also the longest sequence that fits at --batch, per policy (the sequence traced as dynamic; "
+                         "--seq must differ from --batch)")
     ft.add_argument("--json", help="also write one row per memory size and policy to this file")
     ft.set_defaults(run=fit)
     args = parser.parse_args(argv)

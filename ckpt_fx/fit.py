@@ -124,6 +124,9 @@ class FitRow:
     """Ops the backward recomputes (pointwise ops count no FLOPs)."""
     max_batch: int
     """The largest batch whose step fits in the memory given; 0 when none does."""
+    max_seq: int | None
+    """With `seq_dim`: the longest sequence whose step fits at the traced batch; 0 when none
+    does; None when not asked."""
     fits: bool
     """The traced batch fits."""
 
@@ -190,14 +193,16 @@ class FitReport:
 
     def __str__(self) -> str:
         unit, gib = ("GiB", 2**30) if self.memory_bytes >= 2**32 else ("MiB", 2**20)
+        seq = any(r.max_seq is not None for r in self.rows)
         weights = f"{self.weights_dtype} weights" + ("" if self.precision == "fp32" else f", {self.precision} autocast")
         out = [
             f"ckpt_fx fit: {_count(self.parameters)} parameters ({_count(self.trainable_parameters)} trainable), "
             f"batch {self.batch}, {weights}, optimizer {self.optimizer}, device memory {_size_text(self.memory_bytes)}",
             "",
             f"| policy | peak {unit} | peaks in | weights | grads | optimizer state | optimizer step | activations | "
-            "host (offloaded) | recompute FLOPs | step time (compute + copies) | max batch | fits |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "host (offloaded) | recompute FLOPs | step time (compute + copies) | max batch | "
+            + (f"longest sequence at batch {self.batch} | " if seq else "") + "fits |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if seq else "") + "---|",
         ]
         for r in self.rows:
             out.append(
@@ -205,7 +210,8 @@ class FitReport:
                 f"{r.grads_bytes / gib:.2f} | {r.optimizer_bytes / gib:.2f} | {r.optimizer_temporary_bytes / gib:.2f} | "
                 f"{r.activations_bytes / gib:.2f} | {r.offloaded_bytes / gib:.2f} | {r.recompute_flops_fraction:.1%} | "
                 f"{_seconds(r.compute_s)} + {_seconds(r.copy_s)} | {r.max_batch if r.max_batch else 'none fits'} | "
-                f"{'yes' if r.fits else 'no'} |"
+                + (f"{r.max_seq if r.max_seq else 'none fits'} | " if seq else "")
+                + f"{'yes' if r.fits else 'no'} |"
             )
         out.append("")
         if self.best is not None:
@@ -234,6 +240,7 @@ def fit(
     trainable: Iterable[str] | None = None,
     device: str = "cuda",
     batch_dim: int = 0,
+    seq_dim: int | None = None,
     dtype: str | torch.dtype | None = None,
     progress: bool = False,
     **kwargs: Any,
@@ -257,7 +264,9 @@ def fit(
     (`for_memory` gives the others'). Rows with offload give the host bytes and the time the copies add
     (torch's activation_offload_cpu_gpu_bw). `progress`: a bar on stderr while planning. Returns a
     FitReport; the largest batch each policy fits is found by evaluating its plan at other batch
-    sizes (dimension `batch_dim` of every input that has it is traced as dynamic).
+    sizes (dimension `batch_dim` of every input that has it is traced as dynamic). `seq_dim`
+    (e.g. 1 for token ids): the sequence dimension is traced as dynamic too, and each row gives
+    the longest sequence that fits at the traced batch (`max_seq`).
     """
     limits = [parse_memory(m) for m in memory] if isinstance(memory, (list, tuple)) else [parse_memory(memory)]
     if not limits:
@@ -301,6 +310,7 @@ def fit(
             quantize_frozen(fake, torch.bfloat16)
     args, kwargs = pytree.tree_map(lambda x: _fake(mode, x), (args, kwargs))
     batch = _mark_batch(args, kwargs, batch_dim)
+    seq = _mark_seq(args, kwargs, seq_dim, batch) if seq_dim is not None else None
 
     params = list(fake.parameters())
     train = [p for p in params if p.requires_grad]
@@ -313,6 +323,7 @@ def fit(
         states=OPTIMIZER_STATES[optimizer] * grads,
         temporaries=0 if optimizer == "none" else grads if device == "cuda" else 2 * max(_nbytes(p) for p in train),
         batch=batch,
+        seq=seq,
         trainable_share=sum(p.numel() for p in train) / max(1, sum(p.numel() for p in params)),
         frozen_fp32=sum(_nbytes(p) for p in params if not p.requires_grad and p.dtype == torch.float32),
         weights_4bit=weights_as_4bit(fake),
@@ -345,7 +356,8 @@ def fit(
 
     planned = _plan(fake, args, kwargs, [w[2] for w in wanted], precision, lenient=lenient, device=device,
                     progress=progress)
-    traced = [_Traced(*name(k, size, policy), tuple(plans), step_flops, _batch_symbols(plans, batch), size)
+    traced = [_Traced(*name(k, size, policy), tuple(plans), step_flops, _batch_symbols(plans, batch), size,
+                      _batch_symbols(plans, seq) if seq is not None else None)
               for (k, size, policy), (plans, step_flops) in zip(wanted, planned)]
     weights_dtype = (NF4 if four_bit else {DTYPES[k]: k for k in DTYPES}.get(cast, str(cast)) if cast is not None
                      else _dtype_name(params))
@@ -405,6 +417,8 @@ class _Step:
     states: int
     temporaries: int
     batch: int
+    seq: int | None = None
+    """The traced sequence length, where fit was asked for the longest (`seq_dim`)."""
     trainable_share: float = 1.0
     """Trainable parameters over all parameters."""
     frozen_fp32: int = 0
@@ -428,14 +442,26 @@ class _Traced:
     batch_symbols: dict[int, tuple[str, ...]]
     memory: int | None = None
     """The memory size a budget:fit policy was made for; None for the others."""
+    seq_symbols: dict[int, tuple[str, ...]] | None = None
+    """Per plan (by id), the size symbols that stand for the sequence length, where asked."""
+    _planned: dict[tuple[int, int | None], int] = field(default_factory=dict, repr=False, compare=False)
+    """The plans' peak per (batch, sequence) evaluated so far (each is a walk over the graphs)."""
 
-    def peak_at(self, step: _Step, batch: int) -> int:
-        return max(self._phases(step, batch))
+    def peak_at(self, step: _Step, batch: int, seq: int | None = None) -> int:
+        return max(self._phases(step, batch, seq))
 
-    def _phases(self, step: _Step, batch: int) -> tuple[int, int]:
-        """(peak of the forward and backward, peak of optimizer.step()) with the step's other bytes."""
-        at = [p.at(**{s: batch for s in self.batch_symbols.get(id(p), ())}) for p in self.plans]
-        return (step.weights + step.states + step_peak_bytes(at),
+    def _phases(self, step: _Step, batch: int, seq: int | None = None) -> tuple[int, int]:
+        """(peak of the forward and backward, peak of optimizer.step()) with the step's other bytes,
+        at `batch` and (where the sequence was traced as dynamic) `seq`."""
+        if (batch, seq) not in self._planned:
+            at = []
+            for p in self.plans:
+                sizes = {s: batch for s in self.batch_symbols.get(id(p), ())}
+                if seq is not None and self.seq_symbols:
+                    sizes.update({s: seq for s in self.seq_symbols.get(id(p), ())})
+                at.append(p.at(**sizes))
+            self._planned[batch, seq] = step_peak_bytes(at)
+        return (step.weights + step.states + self._planned[batch, seq],
                 step.weights + step.grads + step.states + step.temporaries)
 
     def row(self, step: _Step, limit: int) -> FitRow:
@@ -460,6 +486,8 @@ class _Traced:
             recomputed_ops=sum(len(p.recomputed) for p in self.plans),
             max_batch=_largest(lambda b: self.peak_at(step, b), limit, step.batch,
                                dynamic=any(self.batch_symbols.values())),
+            max_seq=None if step.seq is None else _largest(
+                lambda s: self.peak_at(step, step.batch, s), limit, step.seq, dynamic=any(self.seq_symbols.values())),
             fits=peak <= limit,
         )
 
@@ -579,6 +607,25 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _mark_seq(args: Any, kwargs: Any, seq_dim: int, batch: int) -> int:
+    """Mark dimension `seq_dim` of every tensor input that has it dynamic; returns the sequence
+    length. It must differ from the batch: torch gives equal sizes one symbol, and the two could
+    not then be told apart."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > seq_dim]
+    if not tensors:
+        raise ValueError(f"fit: no input tensor has a dimension {seq_dim} (seq_dim) to scale")
+    seq = tensors[0].shape[seq_dim]
+    if any(t.shape[seq_dim] != seq for t in tensors):
+        raise ValueError(f"fit: inputs disagree on the sequence length (dimension {seq_dim}): "
+                         f"{sorted({t.shape[seq_dim] for t in tensors})}")
+    if seq < 2 or seq == batch:
+        raise ValueError(f"fit: to find the longest sequence, trace one of at least 2 that differs from the batch "
+                         f"(got sequence {seq}, batch {batch}): torch gives equal sizes one symbol")
+    for t in tensors:
+        mark_dynamic(t, seq_dim)
+    return seq
+
+
 def _mark_batch(args: Any, kwargs: Any, batch_dim: int) -> int:
     """Mark dimension `batch_dim` of every tensor input dynamic; returns the batch size."""
     tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > batch_dim]
@@ -665,17 +712,38 @@ def _batch_symbols(plans: list[Plan], batch: int) -> dict[int, tuple[str, ...]]:
 
 
 def _largest(peak_at: Callable[[int], int], limit: int, batch: int, *, dynamic: bool) -> int:
-    """The largest batch b >= 1 with peak_at(b) <= limit, 0 if none (peaks grow with the batch)."""
+    """The largest batch b >= 1 with peak_at(b) <= limit, 0 if none (peaks grow with the batch).
+    The first guess is where the line through the peaks at 1 and at the traced batch crosses the
+    limit (a step's peak is close to affine in the batch), then steps out from it, doubling, until
+    the answer is bracketed, and bisects: a few evaluations where a bisection from 1 takes a dozen."""
     if not dynamic:
         return batch if peak_at(batch) <= limit else 0
     if peak_at(1) > limit:
         return 0
-    low, high = 1, 2
-    while peak_at(high) <= limit:
-        low, high = high, high * 2
-        if high > 2**20:
-            return low
+    slope = max(1.0, (peak_at(batch) - peak_at(1)) / max(1, batch - 1))
+    guess = int(min(MAX_BATCH, max(1, 1 + (limit - peak_at(1)) // slope)))
+    step = 1
+    if peak_at(guess) <= limit:
+        low = guess
+        while True:
+            high = low + step
+            if high > MAX_BATCH:
+                return low
+            if peak_at(high) > limit:
+                break
+            low, step = high, 2 * step
+    else:
+        high, low = guess, 1
+        while high - step > 1:
+            if peak_at(high - step) <= limit:
+                low = high - step
+                break
+            high, step = high - step, 2 * step
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if peak_at(middle) <= limit else (low, middle)
     return low
+
+
+MAX_BATCH = 2**20
+"""The largest batch fit looks for."""

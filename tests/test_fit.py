@@ -357,3 +357,28 @@ def test_a_bad_config_is_named_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if "error" in line]
         assert stopped.value.code == 2 and len(errors) == 1 and message in errors[0], err
+
+
+def test_the_longest_sequence_is_where_the_peak_crosses_the_memory(tmp_path, capsys):
+    """--max-seq: the sequence traced as dynamic; each row's longest sequence fits, one token more
+    does not, and the plan's peak there equals a trace at that length."""
+    pytest.importorskip("transformers")
+    from ckpt_fx.__main__ import main
+    from ckpt_fx.bench.workloads import workload
+
+    path = _llama_config(tmp_path, max_position_embeddings=4096)
+    at = lambda seq: workload(str(path), batch=2, seq=seq)  # noqa: E731
+    traced = at(64)
+    report = fit(traced.model, memory="12MiB", policies=("none", "blocks"), device="cpu", seq_dim=1, **traced.kwargs)
+    for row, plans in zip(report.rows, report._traced):
+        assert 64 < row.max_seq < 4096, row
+        for seq, fits in ((row.max_seq, True), (row.max_seq + 1, False)):
+            alone = at(seq)
+            again = fit(alone.model, memory="12MiB", policies=(row.policy_text,), device="cpu", **alone.kwargs).rows[0]
+            assert again.fits is fits and again.peak_bytes == plans.peak_at(report._step, 2, seq)
+    assert report.rows[1].max_seq > report.rows[0].max_seq
+    assert main(["fit", "--model", str(path), "--batch", "2", "--seq", "64", "--memory", "12MiB", "--policies", "blocks",
+                 "--device", "cpu", "--max-seq"]) == 0
+    assert "| longest sequence at batch 2 |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="differs from the batch"):
+        fit(traced.model, torch.zeros(4, 4, dtype=torch.long), policies=("none",), seq_dim=1)
