@@ -215,7 +215,7 @@ def fit(args: argparse.Namespace) -> int:
     _progress(f"planning {workload.name}: {len(policies)} policies, one trace for all")
     report = f.fit(model, *workload.args, memory=memory, policies=policies, optimizer=args.optimizer,
                    precision=args.precision, device=args.device, dtype=args.dtype, progress=True,
-                   seq_dim=1 if args.max_seq else None, **workload.kwargs)
+                   seq_dim=1 if args.max_seq else None, gpus=args.gpus, shard=args.shard, **workload.kwargs)
     rows = []
     for limit in memory:
         report = report.for_memory(limit)
@@ -324,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="';'-separated policies to plan; budget:fit is a memory budget of what --memory leaves "
                          "after weights and optimizer state, budget:fit,offload one that may keep saved values in "
                          "host memory")
+    ft.add_argument("--gpus", type=_count, default=1,
+                    help="GPUs the step runs on; --batch is then each rank's; the table is one rank's")
+    ft.add_argument("--shard", choices=("fsdp", "none"), default=None,
+                    help="with --gpus: fsdp (FSDP2 full shard, fully_shard per block and at the root; the default) "
+                         "or none (a replica per GPU, as DDP)")
     ft.add_argument("--max-seq", action="store_true",
                     help="also the longest sequence that fits at --batch, per policy (the sequence traced as dynamic; "
                          "--seq must differ from --batch)")

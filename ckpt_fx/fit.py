@@ -72,6 +72,8 @@ rest of it in bf16 (Note [Planning a 4-bit base] in ckpt_fx/nf4.py)."""
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """Tensors of state per trainable parameter (SGD: its momentum buffer)."""
 DEVICES = ("cuda", "cpu")
+SHARDS = ("fsdp", "none")
+"""How several GPUs hold the model: FSDP2's full shard, or a replica each (DDP)."""
 
 
 def parse_memory(memory: int | str) -> int:
@@ -107,6 +109,9 @@ class FitRow:
     optimizer_temporary_bytes: int
     """What optimizer.step() allocates while it runs (foreach AdamW on a GPU: one tensor per
     trainable parameter); counted in the peak when the step peaks there."""
+    gathered_bytes: int
+    """Several GPUs: what a rank holds besides during the forward and backward (FSDP2's unsharded
+    parameters and gradients, DDP's gradient buckets; Note [A sharded step]); 0 on one."""
     activations_bytes: int
     """At the forward/backward's peak, what it holds besides weights, optimizer state and
     parameter gradients: activations and temporaries."""
@@ -124,6 +129,9 @@ class FitRow:
     """Ops the backward recomputes (pointwise ops count no FLOPs)."""
     max_batch: int
     """The largest batch whose step fits in the memory given; 0 when none does."""
+    min_gpus: int | None
+    """Under FSDP2: the fewest GPUs whose per-rank step fits at the batch per rank (0: none up to
+    MAX_GPUS); None on one GPU or under DDP."""
     max_seq: int | None
     """With `seq_dim`: the longest sequence whose step fits at the traced batch; 0 when none
     does; None when not asked."""
@@ -189,28 +197,41 @@ class FitReport:
                            f"{format_size(step.weights)}, the lowest plan's peak about {format_size(lowest)}")
         if not any(r.offloaded_bytes for r in self.rows):
             out.append("offload (policy offload, or budget:fit,offload): saved activations in host memory")
+        sharded = [r for r in self.rows if r.min_gpus]
+        if sharded:
+            fewest = min(sharded, key=lambda r: r.min_gpus)
+            out.append(f"{fewest.min_gpus} GPUs under FSDP2 (--gpus {fewest.min_gpus}) with {fewest.policy}")
         return out
 
     def __str__(self) -> str:
         unit, gib = ("GiB", 2**30) if self.memory_bytes >= 2**32 else ("MiB", 2**20)
         seq = any(r.max_seq is not None for r in self.rows)
+        gpus = any(r.min_gpus is not None for r in self.rows)
         weights = f"{self.weights_dtype} weights" + ("" if self.precision == "fp32" else f", {self.precision} autocast")
+        ranks = self._step.ranks if self._step is not None else 1
+        if ranks > 1:
+            weights += (f"; per rank of {ranks} GPUs, " + ("FSDP2 full shard" if self._step.shard == "fsdp" else "replicas (DDP)")
+                        + f", batch {self.batch} per rank")
         out = [
             f"ckpt_fx fit: {_count(self.parameters)} parameters ({_count(self.trainable_parameters)} trainable), "
             f"batch {self.batch}, {weights}, optimizer {self.optimizer}, device memory {_size_text(self.memory_bytes)}",
             "",
-            f"| policy | peak {unit} | peaks in | weights | grads | optimizer state | optimizer step | activations | "
+            f"| policy | peak {unit} | peaks in | weights | grads | optimizer state | optimizer step | "
+            + ("unsharded (gathered) | " if ranks > 1 else "") + "activations | "
             "host (offloaded) | recompute FLOPs | step time (compute + copies) | max batch | "
-            + (f"longest sequence at batch {self.batch} | " if seq else "") + "fits |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if seq else "") + "---|",
+            + (f"longest sequence at batch {self.batch} | " if seq else "") + ("fewest GPUs | " if gpus else "") + "fits |",
+            "|---|---:|---|---:|---:|---:|---:|" + ("---:|" if ranks > 1 else "") + "---:|---:|---:|---:|---:|"
+            + ("---:|" if seq else "") + ("---:|" if gpus else "") + "---|",
         ]
         for r in self.rows:
             out.append(
                 f"| {r.policy} | {r.peak_bytes / gib:.2f} | {r.peak_in} | {r.weights_bytes / gib:.2f} | "
                 f"{r.grads_bytes / gib:.2f} | {r.optimizer_bytes / gib:.2f} | {r.optimizer_temporary_bytes / gib:.2f} | "
-                f"{r.activations_bytes / gib:.2f} | {r.offloaded_bytes / gib:.2f} | {r.recompute_flops_fraction:.1%} | "
+                + (f"{r.gathered_bytes / gib:.2f} | " if ranks > 1 else "")
+                + f"{r.activations_bytes / gib:.2f} | {r.offloaded_bytes / gib:.2f} | {r.recompute_flops_fraction:.1%} | "
                 f"{_seconds(r.compute_s)} + {_seconds(r.copy_s)} | {r.max_batch if r.max_batch else 'none fits'} | "
                 + (f"{r.max_seq if r.max_seq else 'none fits'} | " if seq else "")
+                + (f"{r.min_gpus or f'over {MAX_GPUS}'} | " if gpus else "")
                 + f"{'yes' if r.fits else 'no'} |"
             )
         out.append("")
@@ -242,6 +263,8 @@ def fit(
     batch_dim: int = 0,
     seq_dim: int | None = None,
     dtype: str | torch.dtype | None = None,
+    gpus: int = 1,
+    shard: str | None = None,
     progress: bool = False,
     **kwargs: Any,
 ) -> FitReport:
@@ -278,6 +301,11 @@ def fit(
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus: expected a whole number >= 1, got {gpus!r}")
+    shard = shard if shard is not None else ("fsdp" if gpus > 1 else "none")
+    if shard not in SHARDS:
+        raise ValueError(f"shard: expected one of {', '.join(SHARDS)}, got {shard!r}")
     four_bit = isinstance(dtype, str) and dtype.strip().lower() == NF4
     cast = None if four_bit else _dtype(dtype)
     parsed = [p if _at_the_cap(p) else policy_forms.parse(p) for p in policies]
@@ -316,12 +344,13 @@ def fit(
     train = [p for p in params if p.requires_grad]
     if not train:
         raise ValueError("fit: no parameter requires grad; nothing would be trained (check `trainable`)")
-    grads = sum(_nbytes(p) for p in train)
+    def on_ranks(k: int) -> _Step:
+        return dataclasses.replace(step, **_rank_bytes(fake, train, optimizer=optimizer, device=device, gpus=k,
+                                                       shard=shard))
+
     step = _Step(
-        weights=sum(_nbytes(p) for p in params) + sum(_nbytes(b) for b in fake.buffers()),
-        grads=grads,
-        states=OPTIMIZER_STATES[optimizer] * grads,
-        temporaries=0 if optimizer == "none" else grads if device == "cuda" else 2 * max(_nbytes(p) for p in train),
+        **_rank_bytes(fake, train, optimizer=optimizer, device=device, gpus=gpus, shard=shard),
+        on_ranks=on_ranks,
         batch=batch,
         seq=seq,
         trainable_share=sum(p.numel() for p in train) / max(1, sum(p.numel() for p in params)),
@@ -408,6 +437,62 @@ def _cast_frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, name, b.to(dtype))
 
 
+# Note [A sharded step]
+# Under FSDP2 as people apply it (fully_shard on every block, then on the root; examples/fsdp2.py)
+# each rank holds 1/N of every parameter (dim 0, padded to a multiple of N), of its gradient and
+# of the optimizer's state. While the forward and backward run it also holds, unsharded: the
+# root's parameters (embeddings, head, final norm: the root is not resharded after the forward)
+# and their gradients until the root's reduce-scatter at the backward's end; two blocks'
+# parameters (the one computing and the one FSDP2 prefetches); and the gradients of the block
+# whose backward runs (their copy into the reduce-scatter's input is made at the block's end,
+# once its recomputed activations are gone). The plan's walk keeps 1/N of each parameter
+# gradient as it is made (Plan.at's gradient_shards).
+# The activations are those of a rank's own batch. DDP (shard "none") holds a replica, and its
+# gradient buckets hold the gradients once more (gradient_as_bucket_view=False, its default).
+
+
+def _rank_bytes(model: torch.nn.Module, train: list[torch.Tensor], *, optimizer: str, device: str, gpus: int,
+                shard: str) -> dict[str, Any]:
+    """A rank's weights, gradients, optimizer state and temporaries, and what it holds besides
+    during the forward and backward (Note [A sharded step])."""
+    n = gpus if shard == "fsdp" else 1
+    local = {id(p): _shard_bytes(p, n) for p in model.parameters()}
+    trainable = {id(p) for p in train}
+    weights = sum(local.values()) + sum(_nbytes(b) for b in model.buffers())
+    grads = sum(local[i] for i in trainable)
+    largest = max(local[i] for i in trainable)
+    gathered = 0
+    if shard == "fsdp" and n > 1:
+        blocks = _blocks(model)
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        root = [p for p in model.parameters() if id(p) not in in_blocks]
+        full = lambda ps: sum(_nbytes(p) for p in ps)  # noqa: E731
+        trained = lambda ps: [p for p in ps if id(p) in trainable]  # noqa: E731
+        biggest = max(blocks, key=lambda b: full(b.parameters()), default=None)
+        gathered = (full(root) + full(trained(root))
+                    + (2 * full(biggest.parameters()) + full(trained(biggest.parameters())) if biggest else 0))
+    elif shard == "none" and gpus > 1:
+        gathered = grads
+    return dict(weights=weights, grads=grads, states=OPTIMIZER_STATES[optimizer] * grads,
+                temporaries=0 if optimizer == "none" else grads if device == "cuda" else 2 * largest,
+                ranks=gpus, shard=shard, gathered=gathered)
+
+
+def _shard_bytes(p: torch.Tensor, ranks: int) -> int:
+    """One rank's bytes of a parameter FSDP2 shards on dimension 0 (padded to a multiple of the ranks)."""
+    if ranks == 1 or p.dim() == 0:
+        return _nbytes(p)
+    rows = -(-p.shape[0] // ranks)
+    return rows * (p.numel() // max(1, p.shape[0])) * p.element_size()
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks FSDP2 is applied to one by one: the children of every stack of repeated blocks."""
+    from ckpt_fx.in_place import block_stacks
+
+    return [child for name in block_stacks(model) for child in model.get_submodule(name).children()]
+
+
 @dataclass(frozen=True)
 class _Step:
     """A step's bytes besides the plan's (Note [What fit adds to the plan]), and the device's speeds."""
@@ -422,9 +507,19 @@ class _Step:
     trainable_share: float = 1.0
     """Trainable parameters over all parameters."""
     frozen_fp32: int = 0
+    """Bytes of the fp32 parameters that are not trained (what a bf16 base halves)."""
     weights_4bit: int = 0
     """What the weights and buffers would take with the frozen base in 4 bits (--dtype nf4)."""
-    """Bytes of the fp32 parameters that are not trained (what a bf16 base halves)."""
+    ranks: int = 1
+    """GPUs the step runs on; above 1, the bytes above are one rank's."""
+    shard: str = "none"
+    """How the ranks hold the model: "fsdp" (FSDP2, fully_shard per block and at the root) or
+    "none" (each rank a replica, as under DDP)."""
+    gathered: int = 0
+    """What a rank holds besides during the forward and backward: under FSDP2 the unsharded
+    parameters and gradients (Note [A sharded step]); under DDP its gradient buckets."""
+    on_ranks: Callable[[int], _Step] | None = field(default=None, compare=False, repr=False)
+    """The same step on another number of GPUs."""
     flops_per_second: float = 4e14
     bandwidth: float = 50 * 2**30
     """Bytes per second of a copy to host memory and back."""
@@ -444,8 +539,9 @@ class _Traced:
     """The memory size a budget:fit policy was made for; None for the others."""
     seq_symbols: dict[int, tuple[str, ...]] | None = None
     """Per plan (by id), the size symbols that stand for the sequence length, where asked."""
-    _planned: dict[tuple[int, int | None], int] = field(default_factory=dict, repr=False, compare=False)
-    """The plans' peak per (batch, sequence) evaluated so far (each is a walk over the graphs)."""
+    _planned: dict[tuple[int, int | None, int], int] = field(default_factory=dict, repr=False, compare=False)
+    """The plans' peak per (batch, sequence, gradient shards) evaluated so far (each is a walk
+    over the graphs)."""
 
     def peak_at(self, step: _Step, batch: int, seq: int | None = None) -> int:
         return max(self._phases(step, batch, seq))
@@ -453,15 +549,16 @@ class _Traced:
     def _phases(self, step: _Step, batch: int, seq: int | None = None) -> tuple[int, int]:
         """(peak of the forward and backward, peak of optimizer.step()) with the step's other bytes,
         at `batch` and (where the sequence was traced as dynamic) `seq`."""
-        if (batch, seq) not in self._planned:
+        shards = step.ranks if step.shard == "fsdp" else 1
+        if (batch, seq, shards) not in self._planned:
             at = []
             for p in self.plans:
                 sizes = {s: batch for s in self.batch_symbols.get(id(p), ())}
                 if seq is not None and self.seq_symbols:
                     sizes.update({s: seq for s in self.seq_symbols.get(id(p), ())})
-                at.append(p.at(**sizes))
-            self._planned[batch, seq] = step_peak_bytes(at)
-        return (step.weights + step.states + self._planned[batch, seq],
+                at.append(p.at(**sizes, gradient_shards=shards))
+            self._planned[batch, seq, shards] = step_peak_bytes(at)
+        return (step.weights + step.states + step.gathered + self._planned[batch, seq, shards],
                 step.weights + step.grads + step.states + step.temporaries)
 
     def row(self, step: _Step, limit: int) -> FitRow:
@@ -477,7 +574,8 @@ class _Traced:
             grads_bytes=step.grads,
             optimizer_bytes=step.states,
             optimizer_temporary_bytes=step.temporaries,
-            activations_bytes=max(0, passes - step.weights - step.states - step.grads),
+            gathered_bytes=step.gathered,
+            activations_bytes=max(0, passes - step.weights - step.states - step.grads - step.gathered),
             offloaded_bytes=sum(p.offloaded_bytes for p in self.plans),
             compute_s=flops / step.flops_per_second,
             copy_s=sum(copy_seconds(p, flops_per_second=step.flops_per_second, bandwidth=step.bandwidth)
@@ -486,6 +584,8 @@ class _Traced:
             recomputed_ops=sum(len(p.recomputed) for p in self.plans),
             max_batch=_largest(lambda b: self.peak_at(step, b), limit, step.batch,
                                dynamic=any(self.batch_symbols.values())),
+            min_gpus=None if step.shard != "fsdp" or step.on_ranks is None else _fewest(
+                lambda k: self.peak_at(step.on_ranks(k), step.batch), limit),
             max_seq=None if step.seq is None else _largest(
                 lambda s: self.peak_at(step, step.batch, s), limit, step.seq, dynamic=any(self.seq_symbols.values())),
             fits=peak <= limit,
@@ -747,3 +847,21 @@ def _largest(peak_at: Callable[[int], int], limit: int, batch: int, *, dynamic: 
 
 MAX_BATCH = 2**20
 """The largest batch fit looks for."""
+MAX_GPUS = 1024
+"""The most GPUs fit looks for."""
+
+
+def _fewest(peak_on: Callable[[int], int], limit: int) -> int:
+    """The fewest GPUs k >= 1 with peak_on(k) <= limit (a rank's peak falls as they grow), 0 if
+    none up to MAX_GPUS."""
+    if peak_on(1) <= limit:
+        return 1
+    low, high = 1, 2
+    while peak_on(high) > limit:
+        if high >= MAX_GPUS:
+            return 0
+        low, high = high, min(2 * high, MAX_GPUS)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if peak_on(middle) <= limit else (middle, high)
+    return high

@@ -279,14 +279,21 @@ def _units(module: torch.nn.Module, flagged: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def backbone(model: torch.nn.Module) -> torch.nn.Module:
-    """The smallest module holding every stack of repeated blocks (children named 0, 1, ... of one
-    class), or `model` when it has none (Note [The module enable switches])."""
+def block_stacks(model: torch.nn.Module) -> list[str]:
+    """The paths of the model's stacks of repeated blocks: modules whose children are named 0, 1,
+    ... and are of one class."""
     stacks = []
     for name, module in model.named_modules():
         children = dict(module.named_children())
         if len(children) > 1 and all(k.isdigit() for k in children) and len({type(c) for c in children.values()}) == 1:
             stacks.append(name)
+    return stacks
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The smallest module holding every stack of repeated blocks (children named 0, 1, ... of one
+    class), or `model` when it has none (Note [The module enable switches])."""
+    stacks = block_stacks(model)
     if not stacks:
         return model
     parents = [name.rpartition(".")[0].split(".") if "." in name else [] for name in stacks]

@@ -53,12 +53,16 @@ def _walk(
     pinned: set[object],
     sizes: dict[str, int] | None = None,
     fused: bool = False,
+    sharded: frozenset[torch.fx.Node] = frozenset(),
+    shards: int = 1,
 ) -> int:
     """Simulate one graph: allocate each non-view output, free a storage after its last use.
 
     `live` maps storage keys to bytes at entry and is updated in place to the state at exit.
     Keys in `pinned` are never freed (held by the caller). `fused`: the graph runs under Inductor,
-    where an op fused into its consumers allocates nothing (fused_away). Returns the peak of live bytes.
+    where an op fused into its consumers allocates nothing (fused_away). A node in `sharded` (a
+    parameter's gradient under a sharded step) keeps one of `shards` parts of its bytes: the
+    rest leaves with the reduce-scatter. Returns the peak of live bytes.
     """
     nodes = list(graph.nodes)
     for node in nodes:
@@ -73,7 +77,8 @@ def _walk(
             return None
         if on_host(node) or (fused and fused_away(node)):
             return 0  # a copy in host memory, or fused into its consumers: no device storage
-        return tensor_bytes(node.meta.get("val"), sizes) + workspace_bytes(node, sizes)
+        nbytes = tensor_bytes(node.meta.get("val"), sizes) + workspace_bytes(node, sizes)
+        return -(-nbytes // shards) if node in sharded else nbytes
 
     return walk(nodes[:end], key=key_of.__getitem__, reads=lambda n: {key_of[a] for a in n.all_input_nodes} | {key_of[n]},
                 allocates=allocates, live=live, pinned=pinned, held=held)
@@ -117,6 +122,7 @@ def memory_pass(
     fused: bool = False,
     offloaded: tuple[str, ...] = (),
     by_block: bool = True,
+    gradient_shards: int = 1,
 ) -> Prediction:
     """Walk the forward then the backward (Note [What the predicted peak counts]); return what
     they save, recompute and offload and the device peaks they reach.
@@ -128,6 +134,9 @@ def memory_pass(
     schedule per block]); the forward always may.
     `block_paths` lists the units in forward order; the Plan reports each of them in that order.
     `static_input_indices` (parameters and buffers among the inputs) tells which gradients persist.
+    `gradient_shards`: the step is sharded that many ways and each parameter's gradient keeps one
+    part on the device, the rest leaving with the reduce-scatter (Note [A sharded step] in
+    ckpt_fx/fit.py; the walk's estimate, not Inductor's schedule).
     Reads node.meta only; deterministic.
     """
     key_of: dict[torch.fx.Node, object] = {}
@@ -191,25 +200,24 @@ def memory_pass(
         if key not in pinned and key not in bw_key.values():
             bw_live.pop(key)  # forward values nobody holds any more
     bw_entry = dict(bw_live)
-    bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned, sizes=sizes, fused=fused)
+    bw_out = bw.graph.output_node()
+    keep = set(static_input_indices) if static_input_indices is not None else None
+    param_grads = [a for i, a in enumerate(bw_out.args[0]) if isinstance(a, torch.fx.Node) and (keep is None or i in keep)]
+    sharded = frozenset(storage_of(a) for a in param_grads) if gradient_shards > 1 else frozenset()
+    bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned, sizes=sizes, fused=fused, sharded=sharded,
+                    shards=gradient_shards)
     peak_model = PeakModel.WALK
     # At the sizes the graphs were traced with Inductor can be asked; not of host copies, which
     # its storages would count as the device's.
-    if fused and not sizes and not offloaded:
+    if fused and not sizes and not offloaded and gradient_shards == 1:
         scheduled = scheduled_peaks(fw, bw, entry=bw_entry, key_of=bw_key, pinned=pinned, by_block=by_block)
         if scheduled is not None:
             fw_peak, bw_peak, copies = scheduled
             forward_end += copies  # saved inputs Inductor saves as copies (Note [Saved inputs in another layout])
             peak_model = PeakModel.INDUCTOR
-    bw_out = bw.graph.output_node()
     # Gradients of parameters (static inputs) outlive the step; gradients of activations that
     # came from an earlier graph become that graph's incoming gradients and are counted there.
-    keep = set(static_input_indices) if static_input_indices is not None else None
-    grads = {
-        bw_key[a]: bw_live.get(bw_key[a], 0)
-        for i, a in enumerate(bw_out.args[0])
-        if isinstance(a, torch.fx.Node) and (keep is None or i in keep)
-    }
+    grads = {bw_key[a]: bw_live.get(bw_key[a], 0) for a in param_grads}
 
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
     per_block: dict[str, list[int]] = {path: [0, 0, 0, 0, 0, 0] for path in block_paths}

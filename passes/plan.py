@@ -272,10 +272,12 @@ class Plan:
         """Predicted device peak of a training step (Note [What the predicted peak counts])."""
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
 
-    def at(self, **sizes: int) -> Plan:
+    def at(self, *, gradient_shards: int = 1, **sizes: int) -> Plan:
         """The same plan's figures (saved bytes, peaks) with symbolic sizes set, e.g.
         `plan.at(s1=2048)`; symbols not given keep their hints. One compiled graph serves every
-        length under dynamic shapes; this predicts what it needs at each."""
+        length under dynamic shapes; this predicts what it needs at each. `gradient_shards`: each
+        parameter's gradient keeps one of that many parts on the device, the rest leaving with
+        FSDP's reduce-scatter (the walk's estimate; needs a plan with symbolic sizes)."""
         unknown = sorted(set(sizes) - set(self.symbols))
         if unknown:
             valid = ", ".join(f"{k} (now {v})" for k, v in sorted(self.symbols.items())) or "none: the sizes are static"
@@ -284,9 +286,13 @@ class Plan:
             raise ValueError("Plan.at: this plan was read back with a graph Inductor's cache served, and holds its "
                              f"figures at {self.symbols} only; to predict other sizes, plan the graph again "
                              "(TORCHINDUCTOR_AUTOGRAD_CACHE=0, or ckpt_fx.fit / explain)")
-        if not sizes or self._at is None:
+        if gradient_shards != 1 and self._at is None:
+            raise ValueError("Plan.at: gradient_shards needs a plan traced with symbolic sizes (fit marks the batch "
+                             "dynamic)")
+        if (not sizes and gradient_shards == 1) or self._at is None:
             return self
-        prediction = self._at({k: int(v) for k, v in sizes.items()})
+        values = {k: int(v) for k, v in sizes.items()}
+        prediction = self._at(values, gradient_shards=gradient_shards) if gradient_shards != 1 else self._at(values)
         return dataclasses.replace(self, **{name: getattr(prediction, name) for name in _PREDICTED})
 
 

@@ -262,3 +262,58 @@ def test_measured_costs_give_every_rank_the_same_plan(tmp_path):
         assert own0 != own1  # the ranks timed differently...
         assert agreed0 == agreed1 == own0  # ...and both planned with rank 0's timings
     assert zero["plans"] == one["plans"] and zero["plans"][0][0]
+
+
+def _fsdp_step_worker(rank: int, port: int, folder: str) -> None:
+    """examples/fsdp2.py's placement (fully_shard per block, then the root), AdamW: what a rank
+    holds before a step (its shards, its optimizer state) and the peak the step adds."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        import ckpt_fx
+        from ckpt_fx.bench.models import build
+
+        torch.manual_seed(0)
+        model = build("llama", layers=6, dim=256, heads=4)
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        compiled = torch.compile(model, backend=ckpt_fx.backend(policy="graph", compiler="eager", progress=False))
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+        torch.manual_seed(100 + rank)
+        ids = torch.randint(0, 1000, (4, 128))
+
+        def step() -> None:
+            compiled(ids, ids).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()  # compiles, and allocates the optimizer's state
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        held = [*(local(p) for p in model.parameters()), *model.buffers(),
+                *(local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())]
+        before = sum(t.untyped_storage().nbytes() for t in held)
+        torch.save({"peak": before + ckpt_fx.peak_bytes(step)}, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fit_predicts_a_rank_of_the_fsdp2_example_within_ten_percent(tmp_path):
+    """fit(gpus=2) (Note [A sharded step] in ckpt_fx/fit.py) against the measured peak of each rank
+    of two gloo processes running the FSDP2 example's placement."""
+    from ckpt_fx.bench.models import build
+    from ckpt_fx.fit import fit
+
+    measured = [r["peak"] for r in _run_workers(_fsdp_step_worker, tmp_path)]
+    torch.manual_seed(0)
+    model = build("llama", layers=6, dim=256, heads=4)
+    ids = torch.randint(0, 1000, (4, 128))
+    report = fit(model, ids, ids, memory="1GiB", policies=("blocks:every=1,skip_first=0",), device="cpu", gpus=WORLD)
+    row = report.rows[0]
+    alone = fit(model, ids, ids, memory="1GiB", policies=("blocks:every=1,skip_first=0",), device="cpu").rows[0]
+    assert row.weights_bytes < 0.6 * alone.weights_bytes and row.gathered_bytes > 0 and row.min_gpus == 1
+    for peak in measured:
+        assert abs(row.peak_bytes - peak) <= 0.10 * peak, (row.peak_bytes, peak)

@@ -382,3 +382,25 @@ def test_the_longest_sequence_is_where_the_peak_crosses_the_memory(tmp_path, cap
     assert "| longest sequence at batch 2 |" in capsys.readouterr().out
     with pytest.raises(ValueError, match="differs from the batch"):
         fit(traced.model, torch.zeros(4, 4, dtype=torch.long), policies=("none",), seq_dim=1)
+
+
+def test_several_gpus_under_fsdp2_hold_a_shard_each_and_the_fewest_that_fit_is_found():
+    """Per rank: 1/N of every parameter, gradient and optimizer state (dim 0 padded to a multiple
+    of N); the unsharded root and blocks while the step runs; the fewest GPUs that fit. (The
+    prediction against two measured ranks: tests/test_distributed.py.)"""
+    model, ids = tiny_llama()
+    policies = ("blocks:every=1,skip_first=0",)
+    one = fit(model, ids, ids, memory="1GiB", policies=policies, device="cpu").rows[0]
+    four = fit(model, ids, ids, memory="1GiB", policies=policies, device="cpu", gpus=4)
+    row = four.rows[0]
+    shards = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) * p.element_size() if p.dim() else p.element_size()
+                 for p in model.parameters())
+    assert row.weights_bytes == shards < one.weights_bytes / 3 and row.optimizer_bytes == 2 * row.grads_bytes
+    assert row.gathered_bytes > 0 == one.gathered_bytes and row.min_gpus == 1 and one.min_gpus is None
+    assert "per rank of 4 GPUs, FSDP2 full shard" in str(four)
+    tight = four.for_memory(row.peak_bytes - 1)  # one byte short on 4 GPUs: more of them fit
+    assert not tight.rows[0].fits and tight.rows[0].min_gpus > 4
+    assert f"would fit: {tight.rows[0].min_gpus} GPUs under FSDP2 (--gpus {tight.rows[0].min_gpus})" in str(tight)
+    for bad, message in ((dict(gpus=0), "gpus: expected a whole number >= 1"), (dict(gpus=2, shard="zero3"), "shard:")):
+        with pytest.raises(ValueError, match=message):
+            fit(model, ids, ids, policies=policies, **bad)
