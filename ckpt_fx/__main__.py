@@ -215,7 +215,8 @@ def fit(args: argparse.Namespace) -> int:
     _progress(f"planning {workload.name}: {len(policies)} policies, one trace for all")
     report = f.fit(model, *workload.args, memory=memory, policies=policies, optimizer=args.optimizer,
                    precision=args.precision, device=args.device, dtype=args.dtype, progress=True,
-                   seq_dim=1 if args.max_seq else None, gpus=args.gpus, shard=args.shard, **workload.kwargs)
+                   seq_dim=1 if args.max_seq else None, gpus=args.gpus, shard=args.shard, grad_accum=args.grad_accum,
+                   **workload.kwargs)
     rows = []
     for limit in memory:
         report = report.for_memory(limit)
@@ -329,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ft.add_argument("--shard", choices=("fsdp", "none"), default=None,
                     help="with --gpus: fsdp (FSDP2 full shard, fully_shard per block and at the root; the default) "
                          "or none (a replica per GPU, as DDP)")
+    ft.add_argument("--grad-accum", type=_count, default=1,
+                    help="micro-batches of --batch accumulated per optimizer step (their gradients held between)")
     ft.add_argument("--max-seq", action="store_true",
                     help="also the longest sequence that fits at --batch, per policy (the sequence traced as dynamic; "
                          "--seq must differ from --batch)")

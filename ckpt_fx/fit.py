@@ -184,6 +184,15 @@ class FitReport:
         batch = max(self.rows, key=lambda r: r.max_batch)
         if batch.max_batch:
             out.append(f"a batch of {batch.max_batch} fits with {batch.policy}")
+            if step.grad_accum == 1:
+                traced = next(t for t in self._traced if t.policy == batch.policy)
+                accumulating = dataclasses.replace(step, grad_accum=2)
+                micro = _largest(lambda b: traced.peak_at(accumulating, b), limit, step.batch,
+                                 dynamic=any(traced.batch_symbols.values()))
+                if micro:
+                    k = -(-self.batch // micro)
+                    out.append(f"{k} micro-batches of {micro} accumulated (--batch {micro} --grad-accum {k}: "
+                               f"{k * micro} sequences per optimizer step) with {batch.policy}")
         fixed = step.weights + step.states + step.grads
         if fixed > limit or not batch.max_batch:
             if step.trainable_share > 0.5:
@@ -209,6 +218,8 @@ class FitReport:
         gpus = any(r.min_gpus is not None for r in self.rows)
         weights = f"{self.weights_dtype} weights" + ("" if self.precision == "fp32" else f", {self.precision} autocast")
         ranks = self._step.ranks if self._step is not None else 1
+        if self._step is not None and self._step.grad_accum > 1:
+            weights += f"; {self._step.grad_accum} micro-batches accumulated per optimizer step"
         if ranks > 1:
             weights += (f"; per rank of {ranks} GPUs, " + ("FSDP2 full shard" if self._step.shard == "fsdp" else "replicas (DDP)")
                         + f", batch {self.batch} per rank")
@@ -265,6 +276,7 @@ def fit(
     dtype: str | torch.dtype | None = None,
     gpus: int = 1,
     shard: str | None = None,
+    grad_accum: int = 1,
     progress: bool = False,
     **kwargs: Any,
 ) -> FitReport:
@@ -289,7 +301,11 @@ def fit(
     FitReport; the largest batch each policy fits is found by evaluating its plan at other batch
     sizes (dimension `batch_dim` of every input that has it is traced as dynamic). `seq_dim`
     (e.g. 1 for token ids): the sequence dimension is traced as dynamic too, and each row gives
-    the longest sequence that fits at the traced batch (`max_seq`).
+    the longest sequence that fits at the traced batch (`max_seq`). `gpus` > 1: one rank's step,
+    the inputs being that rank's batch, under `shard` "fsdp" (FSDP2 full shard, the default) or
+    "none" (DDP replicas) (Note [A sharded step]); rows give the fewest GPUs that fit under FSDP2.
+    `grad_accum` > 1: micro-batches accumulated per optimizer step, their gradients held through
+    the later ones' forward and backward.
     """
     limits = [parse_memory(m) for m in memory] if isinstance(memory, (list, tuple)) else [parse_memory(memory)]
     if not limits:
@@ -303,6 +319,8 @@ def fit(
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus: expected a whole number >= 1, got {gpus!r}")
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum: expected a whole number >= 1, got {grad_accum!r}")
     shard = shard if shard is not None else ("fsdp" if gpus > 1 else "none")
     if shard not in SHARDS:
         raise ValueError(f"shard: expected one of {', '.join(SHARDS)}, got {shard!r}")
@@ -351,6 +369,7 @@ def fit(
     step = _Step(
         **_rank_bytes(fake, train, optimizer=optimizer, device=device, gpus=gpus, shard=shard),
         on_ranks=on_ranks,
+        grad_accum=grad_accum,
         batch=batch,
         seq=seq,
         trainable_share=sum(p.numel() for p in train) / max(1, sum(p.numel() for p in params)),
@@ -518,6 +537,9 @@ class _Step:
     gathered: int = 0
     """What a rank holds besides during the forward and backward: under FSDP2 the unsharded
     parameters and gradients (Note [A sharded step]); under DDP its gradient buckets."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step: from the second on, the accumulated gradients are held
+    through the forward and backward."""
     on_ranks: Callable[[int], _Step] | None = field(default=None, compare=False, repr=False)
     """The same step on another number of GPUs."""
     flops_per_second: float = 4e14
@@ -558,7 +580,8 @@ class _Traced:
                     sizes.update({s: seq for s in self.seq_symbols.get(id(p), ())})
                 at.append(p.at(**sizes, gradient_shards=shards))
             self._planned[batch, seq, shards] = step_peak_bytes(at)
-        return (step.weights + step.states + step.gathered + self._planned[batch, seq, shards],
+        held = step.grads if step.grad_accum > 1 else 0  # gradients accumulated by the earlier micro-batches
+        return (step.weights + step.states + step.gathered + held + self._planned[batch, seq, shards],
                 step.weights + step.grads + step.states + step.temporaries)
 
     def row(self, step: _Step, limit: int) -> FitRow:
