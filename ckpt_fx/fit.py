@@ -47,7 +47,7 @@ import torch
 
 from ckpt_fx import policies as policy_forms
 from ckpt_fx.dynamo_backend import CkptBackend, Options
-from ckpt_fx.nf4 import NF4Linear, quantize_frozen, weights_as_4bit
+from ckpt_fx.nf4 import NF4Linear, cast_frozen, quantize_frozen, weights_as_4bit
 from ckpt_fx.report import _fresh_function, training_loss
 from passes import Plan, step_peak_bytes
 from passes.graphs import copy_graph_module
@@ -350,7 +350,7 @@ def fit(
         for name, p in fake.named_parameters():
             p.requires_grad_(any(fnmatch.fnmatchcase(name, pat) for pat in patterns))
     if cast is not None:
-        _cast_frozen(fake, cast)
+        cast_frozen(fake, cast)
     if four_bit:
         with mode:  # the 4-bit layers' tensors fake too: nothing allocated
             quantize_frozen(fake, torch.bfloat16)
@@ -443,17 +443,6 @@ def _dtype_name(params: list[torch.Tensor]) -> str:
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
     common = max(sizes, key=sizes.get)
     return {v: k for k, v in DTYPES.items()}.get(common, str(common).replace("torch.", ""))
-
-
-def _cast_frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast the floating-point parameters that are not trained, and the buffers, to `dtype`, in place."""
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
-            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
-                setattr(module, name, torch.nn.Parameter(p.detach().to(dtype), requires_grad=False))
-        for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
-            if b.is_floating_point() and b.dtype != dtype:
-                setattr(module, name, b.to(dtype))
 
 
 # Note [A sharded step]
@@ -734,36 +723,34 @@ def _mark_seq(args: Any, kwargs: Any, seq_dim: int, batch: int) -> int:
     """Mark dimension `seq_dim` of every tensor input that has it dynamic; returns the sequence
     length. It must differ from the batch: torch gives equal sizes one symbol, and the two could
     not then be told apart."""
-    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > seq_dim]
-    if not tensors:
-        raise ValueError(f"fit: no input tensor has a dimension {seq_dim} (seq_dim) to scale")
-    seq = tensors[0].shape[seq_dim]
-    if any(t.shape[seq_dim] != seq for t in tensors):
-        raise ValueError(f"fit: inputs disagree on the sequence length (dimension {seq_dim}): "
-                         f"{sorted({t.shape[seq_dim] for t in tensors})}")
-    if seq < 2 or seq == batch:
-        raise ValueError(f"fit: to find the longest sequence, trace one of at least 2 that differs from the batch "
-                         f"(got sequence {seq}, batch {batch}): torch gives equal sizes one symbol")
-    for t in tensors:
-        mark_dynamic(t, seq_dim)
-    return seq
+    return _mark_dimension(args, kwargs, seq_dim, "seq_dim", "the sequence length", lambda seq: (
+        f"fit: to find the longest sequence, trace one of at least 2 that differs from the batch (got sequence "
+        f"{seq}, batch {batch}): torch gives equal sizes one symbol" if seq < 2 or seq == batch else None))
 
 
 def _mark_batch(args: Any, kwargs: Any, batch_dim: int) -> int:
     """Mark dimension `batch_dim` of every tensor input dynamic; returns the batch size."""
-    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > batch_dim]
+    return _mark_dimension(args, kwargs, batch_dim, "batch_dim", "the batch", lambda batch: (
+        "fit: trace with a batch of at least 2 (torch specialises a dimension of size 1, so the plan could not be "
+        "evaluated at other batch sizes)" if batch < 2 else None))
+
+
+def _mark_dimension(args: Any, kwargs: Any, dim: int, option: str, what: str,
+                    refused: Callable[[int], str | None]) -> int:
+    """Mark dimension `dim` of every tensor input that has it dynamic, once every such input has
+    the same size there and `refused(size)` names no reason against it; returns the size."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > dim]
     if not tensors:
-        raise ValueError(f"fit: no input tensor has a dimension {batch_dim} (batch_dim) to scale")
-    batch = tensors[0].shape[batch_dim]
-    if any(t.shape[batch_dim] != batch for t in tensors):
-        raise ValueError(f"fit: inputs disagree on the batch (dimension {batch_dim}): "
-                         f"{sorted({t.shape[batch_dim] for t in tensors})}")
-    if batch < 2:
-        raise ValueError("fit: trace with a batch of at least 2 (torch specialises a dimension of size 1, "
-                         "so the plan could not be evaluated at other batch sizes)")
+        raise ValueError(f"fit: no input tensor has a dimension {dim} ({option}) to scale")
+    size = tensors[0].shape[dim]
+    if any(t.shape[dim] != size for t in tensors):
+        raise ValueError(f"fit: inputs disagree on {what} (dimension {dim}): {sorted({t.shape[dim] for t in tensors})}")
+    reason = refused(size)
+    if reason is not None:
+        raise ValueError(reason)
     for t in tensors:
-        mark_dynamic(t, batch_dim)
-    return batch
+        mark_dynamic(t, dim)
+    return size
 
 
 def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_forms.Policy],

@@ -129,16 +129,22 @@ def quantize_frozen(model: torch.nn.Module, compute_dtype: torch.dtype = torch.b
     if not swapped:
         raise ValueError("dtype nf4: the model has no frozen torch.nn.Linear layer to hold in 4 bits (the base's "
                          "linear layers are quantised; trained ones and the output head stay as they are)")
+    cast_frozen(model, compute_dtype)
+    return swapped
+
+
+def cast_frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters that are not trained, and the buffers, to `dtype`, in
+    place; a 4-bit layer's quantisation state keeps bitsandbytes' dtypes."""
     for module in model.modules():
         if isinstance(module, NF4Linear):
             continue
         for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
-            if not p.requires_grad and p.is_floating_point() and p.dtype != compute_dtype:
-                setattr(module, name, torch.nn.Parameter(p.detach().to(compute_dtype), requires_grad=False))
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                setattr(module, name, torch.nn.Parameter(p.detach().to(dtype), requires_grad=False))
         for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
-            if b.is_floating_point() and b.dtype != compute_dtype:
-                setattr(module, name, b.to(compute_dtype))
-    return swapped
+            if b.is_floating_point() and b.dtype != dtype:
+                setattr(module, name, b.to(dtype))
 
 
 def weights_as_4bit(model: torch.nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> int:

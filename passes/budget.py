@@ -664,16 +664,11 @@ def _leave_open(info) -> CheckpointPolicy:
 # Note [Torch's plan beyond reach]
 # Torch's plan asks min-cut for recomputes after its CSE, so its peak comes from Inductor's
 # schedule of its whole backward (Note [Whole backward schedules] in passes/planner.py), the
-# costliest schedule of a budget's search (1.5 s of a 19 s compile at 6 blocks, 6 s at 24, on
-# transformers' Llama 256 wide). Scheduled block by block instead, its peak was 0.87x-1.07x the
-# whole schedule's on eight models (transformers' Llama 6 and 4 x 256, Qwen2, Mixtral, GPT-2,
-# Mistral, the README sweep's BERT and ViT) at 0.7, 0.5 and 0.3 (2026-12-06). So torch's plan is
-# scheduled block by block first; where that peak is more than BLOCKWISE_ERROR above the limit,
-# the whole schedule's cannot fit either, and the plan serves only to aim the search (its
-# saved bytes and that peak) and is neither a choice nor a ceiling; nearer the limit its whole
-# backward is scheduled and decides, as before. When none of ours fits, the lowest plan is
-# picked: torch's takes part, scheduled whole, where its peak block by block is within
-# BLOCKWISE_ERROR of our lowest (Mixtral 4 x 256 at 0.3: 127.1 MB block by block, 120.1 whole,
-# ours 125.5: torch's plan is the lowest), and no part above that. On Llama 6 x 256 at 0.5:
-# 111.6 MB block by block against a limit of 99.0 (116.8 whole); aimed by that point, the search
-# planned two candidates where it planned three, the same pick.
+# costliest schedule of a budget's search. Scheduled block by block instead, its peak was 0.87x to
+# 1.07x the whole schedule's on eight decoders and encoders at 0.7, 0.5 and 0.3. So torch's plan is scheduled block by block first; where that peak is more than
+# BLOCKWISE_ERROR above the limit, the whole schedule's cannot fit either, and the plan serves
+# only to aim the search (its saved bytes and that peak) and is neither a choice nor a ceiling;
+# nearer the limit its whole backward is scheduled and decides. When none of ours fits, the
+# lowest plan is picked: torch's takes part, scheduled whole, where its peak block by block is
+# within BLOCKWISE_ERROR of our lowest (it can be the lowest, as on an MoE model far below its
+# budget), and no part above that.

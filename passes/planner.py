@@ -110,8 +110,7 @@ def _predicted(joint: Joint, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
 # schedule of torch's plan only where it decides anything (Note [Torch's plan beyond reach] in
 # passes/budget.py). Inductor's own partition asks
 # for none: min-cut recomputes only fusible ops next to their readers, and its backward laid end
-# to end block by block equals the whole graph's schedule on transformers' Llama (4 and 6 x 256), Qwen2, GPT-2
-# (SDPA), the sweep's BERT and ViT, and is over it on Mixtral (4 experts, top 2): backward peak
-# +1.2% at 4 x 256, +4.3% at 3 x 128 (2026-12-04; tests/test_inductor_memory.py holds it to 5%).
+# to end block by block equals the whole graph's schedule on the decoders and encoders tested and
+# stays a few percent over it on an MoE model (tests/test_inductor_memory.py holds it to 5%).
 # So it is scheduled per block: one whole-graph lowering fewer for `none` and for every budget,
-# which plans Inductor's own partition as its baseline (0.6-1.5 s at 4-6 blocks of 256 here).
+# which plans Inductor's own partition as its baseline.

@@ -44,12 +44,3 @@ def schedule_pass(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> torch.fx
     return torch.fx.GraphModule(bw, graph)
 
 
-def first_use_distance(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> int:
-    """Largest gap, in nodes, between a recomputed node and its first user (a schedule check)."""
-    nodes = list(bw.graph.nodes)
-    index = {node: i for i, node in enumerate(nodes)}
-    gap = 0
-    for node in nodes:
-        if node.name in recomputed and node.users:
-            gap = max(gap, min(index[u] for u in node.users) - index[node])
-    return gap

@@ -79,16 +79,11 @@ FULL_COLLECTIONS_HELD = 1_000_000
 # Planning lowers many graphs (each plan's partition and Inductor's schedules of its blocks), and
 # the objects that outlive a young collection trigger the cyclic garbage collector's full
 # collections, each of which walks every object in the process (the model, Dynamo's and
-# AOTAutograd's state, the joint graph, the plans so far). Measured under `budget:0.5` on
-# transformers' Llama 256 wide, batch 2 x 512 (torch 2.13, CPU, 2026-12-06, each after Inductor
-# alone in one process): full collections took 4.1 s of the compile at 6 blocks (2.0 s of
-# Inductor alone's) and 11.6 s at 24 (5.5 s of Inductor alone's). So the backend plans with the
-# young generations collected as usual and the full collections held until it is done; what
-# planning leaves as cyclic garbage in the oldest generation waits for the first full collection
-# after it. At 24 blocks the budget's compile fell from 1.58x and 1.76x Inductor alone's to 1.47x
-# and 1.54x in two pairs of runs (the README's compile-time table); at 6 blocks the change is
-# within the machine's drift. The price is host memory: the process's peak resident set after that
-# 24-block compile and one step was 1459 MB, against 1331 MB with full collections as usual.
+# AOTAutograd's state, the joint graph, the plans so far): on a deep model under a budget they
+# took seconds of the compile, growing with the blocks. So the backend plans with the young
+# generations collected as usual and the full collections held until it is done; what planning
+# leaves as cyclic garbage in the oldest generation waits for the first full collection after it.
+# The price is host memory while planning: about a tenth more resident on a 24-block model.
 
 
 def on_a_fresh_stack(fn: Callable[[], T]) -> T:
@@ -111,21 +106,14 @@ _on_a_fresh_stack = types.FunctionType(
 # Since Python 3.11 the interpreter keeps frames in chunks of a per-thread stack: a call that does
 # not fit in the current chunk maps a fresh one (16 KiB), which is unmapped when that call
 # returns. A loop whose calls cross a chunk's edge pays a mapping, page faults and an unmapping on
-# every call (CPython issue gh-142183; 3.13 and 3.14 keep one chunk cached since their 2026
-# fixes, 3.11 and 3.12 do not). Where the edges fall depends on how deep the caller is, so the
-# same passes run several times slower from one caller than from another: under `budget:0.5` on
-# transformers' Llama 6 x 256 (CPU, Python 3.11.7, torch 2.13, 2026-12-06), the partitions of
-# Inductor's own plan and of torch's took 1.0 and 1.2 s, 120 000 page faults each, where the
-# candidates' took 0.3 s (their graph extraction: 0.7 s against 0.07 s in Inductor alone), and
-# Inductor's compile of the forward took 2.7 s with 96 000 page faults.
+# every call (CPython issue gh-142183; 3.11 and 3.12 keep no chunk cached). Where the edges fall
+# depends on how deep the caller is, so the same passes ran several times slower from one caller
+# than from another (a partition with a hundred thousand page faults against one with none).
 # So the backend compiles each graph (AOTAutograd's tracing, the passes, Inductor's compile of the
 # forward) from a frame whose code reserves a large value stack (a frame's size is its code's
 # locals plus co_stacksize): it does not fit in a 16 KiB chunk, so the call that makes it starts a
 # chunk sized for it, 1 MiB, and every frame under it fits in what that chunk has left: no edge
 # is crossed while the graph compiles, however deep the caller was (rewrite_graph traces and plans
-# its graph from such a frame too).
-# Those partitions then took 0.3 and 0.5 s, the forward's compile 2.1 s with 30 page faults, and
-# the budget's whole compile 17.9 s where it took 20.5 (Inductor alone: 12.0-12.3 s in the same
-# runs, with 270 000 page faults of its own). The reserved slots are never written: the chunk's
-# untouched pages cost address space, not memory. The backward, which AOTAutograd compiles at the
-# first backward pass, is compiled from wherever autograd calls it, as under Inductor alone.
+# its graph from such a frame too). The reserved slots are never written: the chunk's untouched
+# pages cost address space, not memory. The backward, which AOTAutograd compiles at the first
+# backward pass, is compiled from wherever autograd calls it, as under Inductor alone.

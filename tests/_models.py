@@ -201,3 +201,17 @@ class Recorder:
         self.graphs.append((done.joint, done.backward))
         self.forwards.append(done.forward)
         self.kwargs.append(done.kwargs)
+
+
+def tiny_gpt(dropout: float = 0.0) -> nn.Module:
+    """The built-in GPT, 2 blocks of 64, seeded: the Inductor tests' model."""
+    from ckpt_fx.bench.models import build
+
+    torch.manual_seed(0)
+    return build("gpt", layers=2, dim=64, heads=2, dropout=dropout)
+
+
+def seeded_step(fn, ids: torch.Tensor) -> None:
+    """A forward and backward of a (token ids, labels) model under a fixed seed."""
+    torch.manual_seed(7)
+    fn(ids, ids).backward()

@@ -8,21 +8,11 @@ import pytest
 import torch
 
 import ckpt_fx
-from ckpt_fx.bench.models import build
 from passes._compat import has_inductor_partitioner_hook, no_fx_graph_cache
+from tests._models import seeded_step as _step, tiny_gpt as _model
 
 pytestmark = [pytest.mark.skipif(not has_inductor_partitioner_hook(), reason="no custom_partitioner_fn in this torch"),
               pytest.mark.slow]
-
-
-def _model(dropout: float = 0.0):
-    torch.manual_seed(0)
-    return build("gpt", layers=2, dim=64, heads=2, dropout=dropout)
-
-
-def _step(fn, ids):
-    torch.manual_seed(7)
-    fn(ids, ids).backward()
 
 
 @pytest.mark.parametrize("batch, seq, replayed", [(2, 32, False), (4, 64, True)])

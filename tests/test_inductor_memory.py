@@ -12,7 +12,7 @@ import ckpt_fx
 from ckpt_fx.bench.models import build
 from passes._compat import activation_memory_budget, has_inductor_partitioner_hook
 from passes.plan import PeakModel
-from tests.test_inductor import _model, _step
+from tests._models import seeded_step as _step, tiny_gpt as _model
 
 pytestmark = [pytest.mark.skipif(not has_inductor_partitioner_hook(), reason="no custom_partitioner_fn in this torch"),
               pytest.mark.slow]

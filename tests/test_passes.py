@@ -13,9 +13,20 @@ from ckpt_fx import CheckpointPolicy
 from passes._compat import RECOMPUTE_KEY, has_inductor_partitioner_hook
 from passes.memory import _walk
 from passes.regions import forward_nodes
-from passes.schedule import first_use_distance, schedule_pass
+from passes.schedule import schedule_pass
 from passes.select import BY_POLICY, REASON_KEY, HardRule, Reason
 from tests._models import Recorder, Spec, bitwise_equal, inputs, make, train_step
+
+
+def first_use_distance(bw: torch.fx.GraphModule, *, recomputed: set[str]) -> int:
+    """Largest gap, in nodes, between a recomputed node and its first user."""
+    nodes = list(bw.graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    gap = 0
+    for node in nodes:
+        if node.name in recomputed and node.users:
+            gap = max(gap, min(index[u] for u in node.users) - index[node])
+    return gap
 
 
 def recompute_everything(info):

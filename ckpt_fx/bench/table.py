@@ -1,6 +1,6 @@
 """Side-by-side benchmark: peak memory and step time of one training step, every setup in one
 process so the ratios compare (`python -m ckpt_fx bench --help`); the rows as a table, a
-dominance list and a plot. The workloads are in ckpt_fx.workloads, the setups in ckpt_fx.setups."""
+dominance list and a plot. The workloads are in ckpt_fx.bench.workloads, the setups in ckpt_fx.bench.setups."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def gpt2_workload(*, layers: int = 12, dim: int = 256, heads: int = 4, vocab: in
 
 
 def builtin_workload(name: str = "llama", *, batch: int = 8, seq: int = 256, **config: object) -> Workload:
-    """A built-in model (ckpt_fx.models) fed random token ids as input and labels."""
+    """A built-in model (ckpt_fx.bench.models) fed random token ids as input and labels."""
     from ckpt_fx.bench.models import build
 
     torch.manual_seed(0)
