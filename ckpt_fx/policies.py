@@ -246,6 +246,10 @@ def _budget_value(limit: float | str) -> tuple[float | None, int | None]:
         size = parse_size(limit)
         if size is not None:
             return None, size
+        if limit.strip() == "fit":
+            raise ValueError("budget: 'fit' is a form fit plans (what a memory size leaves for the step); a backend "
+                             "takes the budget fit recommends in bytes, e.g. 'budget:8.96GiB' (fit's report prints it "
+                             "as written for enable)")
     elif isinstance(limit, (int, float)):
         if not 0 < limit <= 1:
             raise ValueError(

@@ -61,6 +61,7 @@ def test_string_forms(spec, name):
         ("selective:save=matmul,size=2", "selective has no setting 'size' (its settings: save, skip_first); selective is written"),
         ("offload:size=2", "offload has no setting 'size'"),
         ("selective:save=matmull", "save item 'matmull' is not an op class (did you mean 'matmul'?)"),
+        ("budget:fit,offload", "'fit' is a form fit plans"),
         (42, "must be a string or a callable"),
     ],
 )
