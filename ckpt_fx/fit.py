@@ -386,9 +386,9 @@ def fit(
         if not _at_the_cap(given):
             wanted.append((k, None, parsed[k]))
             continue
+        offload = given.partition(",")[2].strip() == "offload"
         for size in limits:
-            at_cap = policy_forms.budget(_size_text(max(size - step.weights - step.states, 1)),
-                                         offload=given.partition(",")[2].strip() == "offload")
+            at_cap = policy_forms.budget(_size_text(max(size - step.weights - step.states, 1)), offload=offload)
             lenient.append(at_cap)
             wanted.append((k, size, at_cap))
 
@@ -398,7 +398,7 @@ def fit(
         if size is None:
             return policy_forms.policy_name(policy), given.strip() if isinstance(given, str) else None
         cap = size - step.weights - step.states
-        text = f"budget:{policy.shown.strip(chr(39))}" + (",offload" if policy.offload else "")
+        text = f"budget:{_size_text(max(cap, 1))}" + (",offload" if policy.offload else "")  # the limit it was made with
         return ((f"{given} ({_size_text(cap)} for the step at {_size_text(size)})" if cap > 0
                  else f"{given} (the lowest plan: nothing left at {_size_text(size)})"), text)
 
@@ -637,11 +637,12 @@ def parse_lora(text: str) -> dict[str, Any]:
             out[name] = int(value)
         elif name == "lora_dropout":
             try:
-                out[name] = float(value)
+                probability: float | None = float(value)
             except ValueError:
-                out[name] = -1.0
-            if not 0 <= out[name] < 1:
+                probability = None
+            if probability is None or not 0 <= probability < 1:
                 raise ValueError(f"--lora: {key} must be a probability in [0, 1), got {value!r}")
+            out[name] = probability
         else:
             names = value[1:-1].split(",") if value.startswith("[") and value.endswith("]") else [value]
             names = [n.strip() for n in names if n.strip()]
