@@ -7,11 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend, Options
 from passes import Plan
-from passes._compat import aot_module_simplified, boxed_nop, pytree, pytree_info
+from passes._compat import aot_module_simplified, boxed_nop, propagate_fake_values, pytree, pytree_info
+from passes.head import head_pass
 from passes.steps import on_a_fresh_stack
 
 
@@ -64,6 +66,7 @@ def rewrite_graph(
     example_inputs: Sequence[Any] = (),
     *,
     strict: bool = False,
+    head: str = "chunked",
 ) -> RewrittenGraphModule:
     """Return a GraphModule computing what gm computes whose backward recomputes what `policy`
     does not save, under ordinary eager autograd (no torch.compile).
@@ -71,13 +74,16 @@ def rewrite_graph(
     The result shares parameters and buffers with gm (same objects: an optimizer built on either
     keeps working) and is specialised to the shapes of `example_inputs`: other shapes raise.
     `result.plan` is the Plan; `print(result.code)` shows the backward with its recompute marked.
+    `head`: "chunked" rewrites a loss head the graph computes (`F.cross_entropy` over a vocabulary
+    projection, Note [The loss head in chunks] in passes/head.py) into chunks of tokens; "whole"
+    keeps it as written.
     """
     if not isinstance(gm, torch.fx.GraphModule):
         raise ValueError(f"rewrite_graph takes a torch.fx.GraphModule, got {type(gm).__name__}; "
                          "use torch.fx.symbolic_trace(model) or torch.export.export(model, args).module()")
     # The graphs run eagerly under autograd: planned for the eager inner compiler (AOTAutograd's
     # default partition), not for Inductor's min-cut.
-    options = Options(policy=policies.parse(policy), strict=strict, compiler="eager", progress=False)
+    options = Options(policy=policies.parse(policy), strict=strict, compiler="eager", progress=False, head=head)
     info = pytree_info(gm)
     if info is not None and info.in_spec is not None:
         flat_inputs = pytree.tree_flatten((tuple(example_inputs), {}))[1]
@@ -95,6 +101,11 @@ def rewrite_graph(
         )
     flat, spec, leaves = _flat_output_module(gm)
     backend = CkptBackend(options)
+    if head == "chunked" and torch.is_grad_enabled() and any(n.target is F.cross_entropy for n in flat.graph.nodes):
+        # Note [The loss head in chunks] in passes/head.py; the pass reads traced shapes, which a
+        # symbolic_trace graph lacks until its values are propagated.
+        propagate_fake_values(flat, example_inputs)
+        backend.head_report = head_pass(flat)
     captured: dict[str, torch.fx.GraphModule] = {}
 
     def partition(joint, joint_inputs, **kwargs):

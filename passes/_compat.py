@@ -511,3 +511,33 @@ def per_block_checkpointing(model: torch.nn.Module, is_block: Callable[[torch.nn
     wrapper = functools.partial(checkpoint_wrapper, **checkpoint_kwargs)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=is_block)
     return model
+
+
+def propagate_fake_values(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Record each node's value as fake tensors (node.meta["val"]) by running gm on fakes of
+    `example_inputs`: the traced shapes a torch.fx.symbolic_trace graph lacks, with requires_grad
+    as autograd would set it. The module's own parameters and buffers are read, never written
+    (their updates land on fake copies)."""
+
+    class Recording(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            value = super().run_node(n)
+            n.meta["val"] = value
+            return value
+
+    class Running(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *args: Any) -> Any:
+            return Recording(self.gm).run(*args)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    # The parameters and buffers swapped for fakes while it runs: a buffer's in-place update
+    # (BatchNorm's batch count) must not reach the real one.
+    state = {f"gm.{name}": mode.from_tensor(t) for name, t in
+             [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]}
+    with mode:
+        torch.func.functional_call(Running(), state, tuple(fakes))

@@ -3,7 +3,7 @@ found in a torch-level graph and rewritten so that no tokens x vocabulary tensor
 whole (Note [The loss head in chunks]).
 
 `head_pass(gm)` rewrites a graph as dynamo hands it to a backend (or as torch.fx.symbolic_trace
-makes it, after shape propagation), in place; node names of what it leaves are kept; deterministic.
+makes it, after fake-tensor propagation: `propagate_values`), in place; node names of what it leaves are kept; deterministic.
 `linear_cross_entropy` is the op a rewritten graph calls: AOTAutograd sees it as one forward node,
 and its backward as a few products by the loss's incoming gradient.
 
@@ -258,7 +258,30 @@ def _value(node: object) -> object:
 
 
 def _is_linear(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is F.linear
+    """F.linear, or a call of an nn.Linear module (torch.fx.symbolic_trace leaves those as calls)."""
+    if node.op == "call_function":
+        return node.target is F.linear
+    return node.op == "call_module" and type(_submodule(node)) is torch.nn.Linear
+
+
+def _submodule(node: torch.fx.Node) -> torch.nn.Module | None:
+    root = getattr(node.graph, "owning_module", None)
+    try:
+        return root.get_submodule(node.target) if root is not None else None
+    except AttributeError:
+        return None
+
+
+def _projection(linear: torch.fx.Node) -> tuple[torch.fx.Node, object, object, object, object]:
+    """A projection's (input, weight, bias, weight's value, bias's value); for a module call the
+    weight and bias are its parameters (get_attr nodes are made for them where the rewrite uses them)."""
+    if linear.op == "call_module":
+        module = _submodule(linear)
+        return linear.args[0], f"{linear.target}.weight", \
+            f"{linear.target}.bias" if module.bias is not None else None, module.weight, module.bias
+    w = linear.args[1]
+    b = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    return linear.args[0], w, b, _value(w), _value(b) if b is not None else None
 
 
 def _is_cross_entropy(node: torch.fx.Node) -> bool:
@@ -352,16 +375,15 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, *, chunk_bytes: int, r
     linear, slicings, upcast, why = _unwind(x)
     if linear is None:
         return why
-    h, w = linear.args[0], linear.args[1]
-    b = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
-    hv, wv, lv = _value(h), _value(w), _value(linear)
+    h, w, b, wv, bv = _projection(linear)
+    hv, lv = _value(h), _value(linear)
     if not all(isinstance(v, torch.Tensor) for v in (hv, wv, lv)) or wv.dim() != 2:
         return "a projection without traced shapes"
     vocab, width = wv.shape
     if vocab < WIDE * width:
         return f"a projection from {width} to {vocab} is no vocabulary head (under {WIDE}x wider)"
     dtype = lv.dtype
-    grads = [bool(hv.requires_grad), bool(wv.requires_grad), bool(b is not None and _value(b).requires_grad)]
+    grads = [bool(hv.requires_grad), bool(wv.requires_grad), bool(b is not None and bv.requires_grad)]
     chunk = chunk_rows_for(vocab=vocab, dtype=dtype, chunk_bytes=chunk_bytes, min_rows=MIN_ROWS)
     head = Head(tokens=size_hint(xv.shape[0]), vocab=int(vocab), hidden=int(width), chunk_rows=int(chunk),
                 dtype=dtype, upcast=upcast, weight_grad=grads[1], logits_kept=True)
@@ -371,12 +393,14 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, *, chunk_bytes: int, r
                 f"no fewer than the {head.whole_bytes} the whole head keeps ({head.tokens} tokens)")
     graph = gm.graph
     with graph.inserting_before(ce):
+        if isinstance(w, str):  # a module call's parameters
+            w, b = graph.get_attr(w), graph.get_attr(b) if b is not None else None
         for s in slicings:
             h = graph.call_function(operator.getitem, (h, s.args[1]))
         rows = graph.call_method("reshape", (h, -1, width))
         cast = lambda v, vv: graph.call_method("to", (v, dtype)) if vv.dtype != dtype else v  # noqa: E731
         rows, w_in = cast(rows, hv), cast(w, wv)
-        b_in = cast(b, _value(b)) if b is not None else None
+        b_in = cast(b, bv) if b is not None else None
         op = graph.call_function(torch.ops.ckpt_fx.linear_cross_entropy.default,
                                  (rows, w_in, b_in, target, args["ignore_index"], chunk, upcast, grads))
         total = graph.call_function(operator.getitem, (op, 0))
@@ -402,7 +426,7 @@ def _logits_outputs(graph: torch.fx.Graph) -> list[int]:
         while isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _UPCASTS:
             node = node.args[0]
         if isinstance(node, torch.fx.Node) and _is_linear(node):
-            wv = _value(node.args[1])
+            wv = _projection(node)[3]
             if isinstance(wv, torch.Tensor) and wv.dim() == 2 and wv.shape[0] >= WIDE * wv.shape[1]:
                 found.append(i)
     return found

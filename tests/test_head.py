@@ -69,9 +69,14 @@ def _check_bound(*, batch, seq, rows, ignored, tied, autocast, upcast, reduction
     ref = _step(exact, exact, ids, labels, autocast=False)
     whole = _step(model, model, ids, labels, autocast=autocast)
     chunked_model = copy.deepcopy(model)
-    backend = ckpt_fx.backend(compiler=compiler)
-    chunked = _step(chunked_model, torch.compile(chunked_model, backend=backend), ids, labels, autocast=autocast)
-    (h,) = backend.plans[0].heads
+    if compiler == "rewrite_graph":  # a symbolic_trace graph under plain eager autograd
+        fn = ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(chunked_model), "none", example_inputs=(ids, labels))
+        plans = [fn.plan]
+    else:
+        backend = ckpt_fx.backend(compiler=compiler)
+        fn, plans = torch.compile(chunked_model, backend=backend), backend.plans
+    chunked = _step(chunked_model, fn, ids, labels, autocast=autocast)
+    (h,) = plans[0].heads
     assert h.chunk_rows == rows and h.chunks == -(-batch * (seq - 1) // rows)
     eps = 1e-6 if not autocast else 2e-3
     for name, e_chunked, e_whole, r in zip(["loss", *(n for n, _ in model.named_parameters())],
@@ -110,6 +115,43 @@ def test_the_bound_holds_under_inductor(autocast, monkeypatch):
     """The same bound with Inductor as the inner compiler (the op runs as an extern kernel)."""
     _check_bound(batch=3, seq=10, rows=5, ignored=[0, 1, 2, 17], tied=True, autocast=autocast, upcast=True,
                  reduction="mean", compiler="inductor", monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_rewrite_graph_chunks_the_head_of_a_symbolic_trace_graph(tied, monkeypatch):
+    """rewrite_graph finds the head in a torch.fx.symbolic_trace graph (the projection a call of
+    an nn.Linear module there) and keeps the same bound, tied weights included."""
+    _check_bound(batch=3, seq=7, rows=4, ignored=[0, 5, 6, 7], tied=tied, autocast=False, upcast=True,
+                 reduction="mean", compiler="rewrite_graph", monkeypatch=monkeypatch)
+
+
+def test_rewrite_graph_with_head_whole_or_an_unrecognised_head_keeps_it_as_written(monkeypatch):
+    """head="whole" keeps the head bitwise; label smoothing is left whole with its reason; finding
+    the shapes leaves a BatchNorm's counters as they were."""
+    monkeypatch.setattr(head, "SMALLER_ONLY", False)
+    torch.manual_seed(0)
+    model = TinyLM(tied=False, upcast=True, reduction="mean")
+    ids = torch.randint(0, VOCAB, (2, 6))
+    whole = ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(model), "none", example_inputs=(ids, ids), head="whole")
+    assert whole.plan.heads == () and torch.equal(whole(ids, ids), model(ids, ids))
+    smoothed = TinyLM(tied=False, upcast=True, reduction="mean", smoothing=0.1)
+    kept = ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(smoothed), "none", example_inputs=(ids, ids))
+    assert kept.plan.heads == () and any("label smoothing" in r for r in kept.plan.head_reasons)
+    with pytest.raises(ValueError, match="head"):
+        ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(model), "none", example_inputs=(ids, ids), head="chunks")
+
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lm = torch.nn.BatchNorm1d(WIDTH), TinyLM(tied=False, upcast=False, reduction="sum")
+
+        def forward(self, ids, labels):
+            h = self.norm(self.lm.embed(ids).flatten(0, 1))
+            return F.cross_entropy(self.lm.head(h), labels.flatten(), reduction="sum")
+
+    normed = Normed()
+    out = ckpt_fx.rewrite_graph(torch.fx.symbolic_trace(normed), "none", example_inputs=(ids, ids))
+    assert len(out.plan.heads) == 1 and int(normed.norm.num_batches_tracked) == 0
 
 
 def test_dynamic_batch_is_served_by_one_chunked_graph(monkeypatch):
