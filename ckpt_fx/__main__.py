@@ -125,6 +125,8 @@ def bench(args: argparse.Namespace) -> int:
     from ckpt_fx.bench import table as b
     from ckpt_fx.bench import setups as st
 
+    if args.head or args.compiler:
+        return _bench_head(args)
     setups = tuple(s.strip() for s in args.setups.split(";")) if args.setups else st.default_setups(args.device)
     try:
         if args.sweep:
@@ -152,6 +154,28 @@ def bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot.plot(rows, args.plot, title=f"{workload.name}; torch {torch.__version__}{amp}")
         print(f"\nplot: {args.plot}")
+    return 0
+
+
+def _bench_head(args: argparse.Namespace) -> int:
+    """bench --head: the loss head's table (ckpt_fx.bench.head) on the workload --model names."""
+    from ckpt_fx.bench import head
+    from ckpt_fx.dynamo_backend import Options
+
+    try:
+        if not args.head:
+            raise ValueError("--compiler applies to --head (the --setups name their own inner compilers)")
+        given = [flag for flag, value in (("--setups", args.setups), ("--sweep", args.sweep), ("--plot", args.plot),
+                                          ("--json", args.json), ("--amp", args.amp),
+                                          ("--fallback-random", args.fallback_random)) if value]
+        if given or args.device != "cpu":
+            raise ValueError(f"--head runs its own setups on a CPU; drop {', '.join(given) or '--device'}")
+        compiler = args.compiler or Options.settings_from_env().get("compiler", "inductor")
+        workload = _workload(args)
+        print(head.table(workload, compiler=compiler, rounds=args.steps))
+    except ValueError as error:
+        print(f"python -m ckpt_fx bench: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -293,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--fallback-random", action="store_true",
                     help="Inductor draws random numbers as eager does, so the gradient column compares its setups "
                          "with dropout too (torch._inductor.config.fallback_random)")
+    bn.add_argument("--head", action="store_true",
+                    help="the loss head instead: HF's checkpointing, ckpt-fx with the head whole and in chunks, and "
+                         "HF's checkpointing with torchtune's chunked cross-entropy and cut-cross-entropy's head where "
+                         "installed, on a transformers causal LM (--model: a config file, gpt2, hf:<ConfigClass>); "
+                         "--steps interleaved rounds")
+    bn.add_argument("--compiler", choices=("inductor", "eager"),
+                    help="with --head: ckpt-fx's inner compiler (default: CKPT_FX_COMPILER, else inductor)")
     bn.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bn.add_argument("--plot", help="also draw peak against step time (Pareto front) into this PNG (matplotlib)")
     bn.add_argument("--json", help="also write the rows to this file")

@@ -346,6 +346,26 @@ def test_the_head_bench_prints_each_setup_with_measured_ratios(capsys, monkeypat
     assert float(rows["ckpt-fx, head chunked"][2]) < float(rows["ckpt-fx, head whole"][2])
 
 
+def test_the_main_bench_runs_the_head_table_on_the_model_it_names_and_refuses_what_it_cannot(capsys, monkeypatch):
+    """python -m ckpt_fx bench --head: the same rows on a causal LM named by the bench's --model;
+    a model that is no transformers causal LM, or a flag the head table does not take, is refused
+    in one line (exit 2)."""
+    from ckpt_fx.__main__ import main
+
+    _small_chunks(monkeypatch, 32)
+    assert main(["bench", "--head", "--model", "hf:Qwen3Config", "--layers", "2", "--dim", "32", "--config",
+                 "vocab_size=4000", "--batch", "2", "--seq", "128", "--steps", "1", "--compiler", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3ForCausalLM 2x32" in out and "inner compiler eager" in out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
+    assert float(rows["ckpt-fx, head chunked"][2]) < float(rows["ckpt-fx, head whole"][2])
+    for argv, said in ((["--head", "--model", "llama", "--layers", "2"], "needs a transformers causal LM"),
+                       (["--head", "--sweep", "0.5"], "drop --sweep"),
+                       (["--compiler", "eager"], "--compiler applies to --head")):
+        assert main(["bench", *argv]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_gpt2s_tied_head_is_chunked_under_enable_despite_its_loss_logging(monkeypatch):
     """transformers' GPT-2 logs from its loss function on every call; enable traces that call as a
     no-op, so the tied head (its weight the token embedding's) is found and chunked, and the loss

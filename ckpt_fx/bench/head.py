@@ -6,6 +6,12 @@ interleaved (one step of each setup in turn, rounds of them), printed as ratios 
 
     python -m ckpt_fx.bench.head                      # Llama 8 x 256, vocabulary 32000, batch 4 x 512
     python -m ckpt_fx.bench.head --compiler inductor --rounds 5
+    python -m ckpt_fx bench --head --model hf:Qwen3Config --config vocab_size=151936 --batch 2 --seq 512
+
+The last form takes any transformers causal LM the bench's --model names (a config file, gpt2,
+hf:<ConfigClass>). The peers are given the backbone's hidden states and the model's output
+embedding: a model whose own loss does more than a cross-entropy over that projection (a logit
+soft-cap) is compared on its peak, not its loss.
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ def _peer_steps(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, tup
         loss_fn = chunked_loss(num_output_chunks=8)
 
         def torchtune_step() -> None:
-            h = tt.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
-            logits = [tt.lm_head(c) for c in h.chunk(loss_fn.num_output_chunks, dim=1)]
+            h = tt.base_model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+            head = tt.get_output_embeddings()
+            logits = [head(c) for c in h.chunk(loss_fn.num_output_chunks, dim=1)]
             target = labels[:, 1:]
             (loss_fn(logits, target) / (target != -100).sum()).backward()
 
@@ -68,11 +75,20 @@ def _peer_steps(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, tup
         cce = _hf(model)
 
         def cce_step() -> None:
-            h = cce.model(input_ids=ids, use_cache=False).last_hidden_state
-            linear_cross_entropy(h, cce.lm_head.weight, labels, shift=True, impl="torch_compile").backward()
+            h = cce.base_model(input_ids=ids, use_cache=False).last_hidden_state
+            linear_cross_entropy(h, cce.get_output_embeddings().weight, labels, shift=True,
+                                 impl="torch_compile").backward()
 
         peers["HF checkpointing + cut-cross-entropy (torch_compile)"] = (cce, cce_step)
     return peers
+
+
+def require_causal_lm(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> None:
+    """ValueError unless the workload is a transformers causal LM fed token ids and labels."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not hasattr(model, "base_model") or "labels" not in kwargs or "input_ids" not in kwargs:
+        raise ValueError(f"the head bench needs a transformers causal LM fed input_ids and labels (a config file, "
+                         f"gpt2 or hf:<ConfigClass>), got {name}")
 
 
 def setups(model: torch.nn.Module, kwargs: dict[str, Any], *, compiler: str) -> dict[str, Callable[[], None]]:
@@ -93,6 +109,34 @@ def setups(model: torch.nn.Module, kwargs: dict[str, Any], *, compiler: str) -> 
     return steps
 
 
+def table(work: Any, *, compiler: str, rounds: int) -> str:
+    """Each setup's measured peak and interleaved median step time on `work` (a causal LM
+    Workload), as a markdown table headed by what ran."""
+    require_causal_lm(work.model, work.kwargs, work.name)
+    kwargs = {k: v for k, v in work.kwargs.items() if k != "use_cache"}  # each setup's own switch decides
+    steps = setups(work.model, kwargs, compiler=compiler)
+    peaks = {}
+    for name, run in steps.items():
+        run()  # compiles, and the gradients exist before the measured step, as in training
+        peaks[name] = ckpt_fx.peak_bytes(run)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, run in steps.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    base = "HF checkpointing"
+    lines = [f"{work.name}, torch {torch.__version__}, inner compiler {compiler}, {rounds} interleaved rounds",
+             "| setup | peak MB | peak vs HF | step s (median) | step vs HF | step vs head whole |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name in steps:
+        t = statistics.median(times[name])
+        lines.append(f"| {name} | {peaks[name] / 2**20:.1f} | {peaks[name] / peaks[base]:.3f} | {t:.3f} | "
+                     f"{t / statistics.median(times[base]):.3f} | "
+                     f"{t / statistics.median(times['ckpt-fx, head whole']):.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ckpt_fx.bench.head", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -104,26 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     work = hf_workload("LlamaConfig", layers=args.layers, dim=args.dim, vocab=args.vocab, batch=args.batch, seq=args.seq)
-    kwargs = {k: v for k, v in work.kwargs.items() if k != "use_cache"}  # each setup's own switch decides
-    steps = setups(work.model, kwargs, compiler=args.compiler)
-    peaks = {}
-    for name, run in steps.items():
-        run()  # compiles, and the gradients exist before the measured step, as in training
-        peaks[name] = ckpt_fx.peak_bytes(run)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, run in steps.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    base = "HF checkpointing"
-    print(f"{work.name}, torch {torch.__version__}, inner compiler {args.compiler}, {args.rounds} interleaved rounds")
-    print("| setup | peak MB | peak vs HF | step s (median) | step vs HF | step vs head whole |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name in steps:
-        t = statistics.median(times[name])
-        print(f"| {name} | {peaks[name] / 2**20:.1f} | {peaks[name] / peaks[base]:.3f} | {t:.3f} | "
-              f"{t / statistics.median(times[base]):.3f} | {t / statistics.median(times['ckpt-fx, head whole']):.3f} |")
+    print(table(work, compiler=args.compiler, rounds=args.rounds))
 
 
 if __name__ == "__main__":
