@@ -236,18 +236,24 @@ def fit(args: argparse.Namespace) -> int:
             model = f.with_lora(model, **f.parse_lora(args.lora))
     policies = [p.strip() for p in args.policies.split(";") if p.strip()]
     start = time.perf_counter()
-    _progress(f"planning {workload.name}: {len(policies)} policies, one trace for all")
+    _progress(f"planning {workload.name}: {len(policies)} policies, traced together")
     report = f.fit(model, *workload.args, memory=memory, policies=policies, optimizer=args.optimizer,
                    precision=args.precision, device=args.device, dtype=args.dtype, progress=True,
                    seq_dim=1 if args.max_seq else None, gpus=args.gpus, shard=args.shard, grad_accum=args.grad_accum,
-                   **workload.kwargs)
+                   every_block=args.every_block, **workload.kwargs)
     rows = []
     for limit in memory:
         report = report.for_memory(limit)
         print(report)
         print()
         rows += [{"memory_bytes": limit, **row} for row in report.to_json()]
-    print(f"planned in {time.perf_counter() - start:.0f} s")
+    seconds = time.perf_counter() - start
+    print(f"planned in {seconds:.0f} s")
+    whole = [p for p in policies  # budget:fit is no policy string the grammar reads; every budget plans whole
+             if p.replace(" ", "").startswith("budget:") or not f._alike_per_block(f.policy_forms.parse(p))]
+    if not report.planned_from and not args.every_block and whole and seconds > 30:
+        _progress(f"every block was traced and planned for {', '.join(whole)} (each depends on the whole stack); "
+                  "--policies 'none;blocks;selective;offload' plans a stack of alike blocks from a few of them, faster")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)
@@ -366,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     ft.add_argument("--max-seq", action="store_true",
                     help="also the longest sequence that fits at --batch, per policy (the sequence traced as dynamic; "
                          "--seq must differ from --batch)")
+    ft.add_argument("--every-block", action="store_true",
+                    help="trace and plan every block, where the policies (none, blocks, offload, selective) would "
+                         "otherwise be planned on the model cut to a few of its alike blocks and extrapolated")
     ft.add_argument("--json", help="also write one row per memory size and policy to this file")
     ft.set_defaults(run=fit)
     args = parser.parse_args(argv)

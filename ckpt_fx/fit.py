@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 import warnings
 import dataclasses
@@ -158,6 +159,10 @@ class FitReport:
     """The dtype of the weights that are not trained, and of trained ones when they share it."""
     suggestions: tuple[str, ...] = ()
     """When nothing fits: the smallest changes that would, each in words."""
+    planned_from: int = 0
+    """Where the step was planned on the model cut to a few of its alike blocks and extrapolated
+    (Note [Planning from a few alike blocks]), the blocks of its stack; 0 where every block was
+    planned."""
     _step: _Step | None = field(default=None, repr=False, compare=False)
     _traced: tuple[_Traced, ...] = field(default=(), repr=False, compare=False)
 
@@ -256,6 +261,10 @@ class FitReport:
                        + (f": weights, gradients and optimizer state alone need {fixed / gib:.2f} {unit}"
                           if fixed > self.memory_bytes else ""))
             out.extend(f"  would fit: {s}" for s in self.suggestions)
+        if self.planned_from:
+            out.append(f"planned on the model cut to {', '.join(map(str, CUT_BLOCKS[:-1]))} and {CUT_BLOCKS[-1]} of its "
+                       f"{self.planned_from} alike blocks, each figure extrapolated to all of them (every_block=True, "
+                       "--every-block: plan every block)")
         out.append("planned for the eager inner compiler; step times are a roofline (peak FLOP/s, the copies at "
                    "torch's host bandwidth); peaks exclude the CUDA context and allocator fragmentation; "
                    "as under ckpt_fx.enable, the loss head runs in chunks and a call with labels returns no logits")
@@ -277,6 +286,7 @@ def fit(
     gpus: int = 1,
     shard: str | None = None,
     grad_accum: int = 1,
+    every_block: bool = False,
     progress: bool = False,
     **kwargs: Any,
 ) -> FitReport:
@@ -305,7 +315,10 @@ def fit(
     the inputs being that rank's batch, under `shard` "fsdp" (FSDP2 full shard, the default) or
     "none" (DDP replicas) (Note [A sharded step]); rows give the fewest GPUs that fit under FSDP2.
     `grad_accum` > 1: micro-batches accumulated per optimizer step, their gradients held through
-    the later ones' forward and backward.
+    the later ones' forward and backward. Where every policy asked treats each block alike (none,
+    blocks, offload, selective) and the model's blocks are alike, the step is planned on the model
+    cut to a few of its blocks and each figure extrapolated to all of them (Note [Planning from a
+    few alike blocks]); `every_block=True` traces and plans every block instead.
     """
     limits = [parse_memory(m) for m in memory] if isinstance(memory, (list, tuple)) else [parse_memory(memory)]
     if not limits:
@@ -402,16 +415,22 @@ def fit(
         return ((f"{given} ({_size_text(cap)} for the step at {_size_text(size)})" if cap > 0
                  else f"{given} (the lowest plan: nothing left at {_size_text(size)})"), text)
 
-    planned = _plan(fake, args, kwargs, [w[2] for w in wanted], precision, lenient=lenient, device=device,
-                    progress=progress)
-    traced = [_Traced(*name(k, size, policy), tuple(plans), step_flops, _batch_symbols(plans, batch), size,
-                      _batch_symbols(plans, seq) if seq is not None else None)
-              for (k, size, policy), (plans, step_flops) in zip(wanted, planned)]
+    plan = functools.partial(_plan, args=args, kwargs=kwargs, policies=[w[2] for w in wanted], precision=precision,
+                             lenient=lenient, device=device, progress=progress)
+    stack = None if every_block or not all(_alike_per_block(w[2]) for w in wanted) else _alike_stack(fake)
+    traced = _from_cuts(fake, stack, plan, [name(k, size, policy) for k, size, policy in wanted],
+                        [size for _, size, _ in wanted], batch, seq) if stack is not None else None
+    if traced is None:
+        planned = plan(fake)
+        traced = [_Traced(*name(k, size, policy), tuple(plans), step_flops, _batch_symbols(plans, batch), size,
+                          _batch_symbols(plans, seq) if seq is not None else None)
+                  for (k, size, policy), (plans, step_flops) in zip(wanted, planned)]
     weights_dtype = (NF4 if four_bit else {DTYPES[k]: k for k in DTYPES}.get(cast, str(cast)) if cast is not None
                      else _dtype_name(params))
     report = FitReport(rows=(), memory_bytes=limit, batch=batch, precision=precision, optimizer=optimizer,
                        parameters=_parameter_count(fake), trainable_parameters=sum(p.numel() for p in train),
-                       best=None, weights_dtype=weights_dtype, _step=step, _traced=tuple(traced))
+                       best=None, weights_dtype=weights_dtype, _step=step, _traced=tuple(traced),
+                       planned_from=traced[0].blocks)
     return report.for_memory(limit)
 
 
@@ -550,6 +569,12 @@ class _Traced:
     """The memory size a budget:fit policy was made for; None for the others."""
     seq_symbols: dict[int, tuple[str, ...]] | None = None
     """Per plan (by id), the size symbols that stand for the sequence length, where asked."""
+    cuts: tuple[_Cut, ...] = ()
+    """Where the step was planned on the model cut to a few of its alike blocks (Note [Planning
+    from a few alike blocks]): the cuts' plans, every figure extrapolated to `blocks`; `plans` is
+    then empty."""
+    blocks: int = 0
+    """The blocks of the whole model's stack, where `cuts` are given."""
     _planned: dict[tuple[int, int | None, int], int] = field(default_factory=dict, repr=False, compare=False)
     """The plans' peak per (batch, sequence, gradient shards) evaluated so far (each is a walk
     over the graphs)."""
@@ -557,17 +582,31 @@ class _Traced:
     def peak_at(self, step: _Step, batch: int, seq: int | None = None) -> int:
         return max(self._phases(step, batch, seq))
 
+    def _total(self, of: Callable[[Plan], float]) -> float:
+        """The sum of `of` over the step's plans (extrapolated from the cuts where planned so)."""
+        if not self.cuts:
+            return sum(of(p) for p in self.plans)
+        return _extrapolated([(c.blocks, sum(of(p) for p in c.plans)) for c in self.cuts], self.blocks)
+
+    def _at(self, plans: Sequence[Plan], batch: int, seq: int | None, shards: int) -> list[Plan]:
+        at = []
+        for p in plans:
+            sizes = {s: batch for s in self.batch_symbols.get(id(p), ())}
+            if seq is not None and self.seq_symbols:
+                sizes.update({s: seq for s in self.seq_symbols.get(id(p), ())})
+            at.append(p.at(**sizes, gradient_shards=shards))
+        return at
+
     def _phases(self, step: _Step, batch: int, seq: int | None = None) -> tuple[int, int]:
         """(peak of the forward and backward, peak of optimizer.step()) with the step's other bytes,
         at `batch` and (where the sequence was traced as dynamic) `seq`."""
         shards = step.ranks if step.shard == "fsdp" else 1
         if (batch, seq, shards) not in self._planned:
-            at = []
-            for p in self.plans:
-                sizes = {s: batch for s in self.batch_symbols.get(id(p), ())}
-                if seq is not None and self.seq_symbols:
-                    sizes.update({s: seq for s in self.seq_symbols.get(id(p), ())})
-                at.append(p.at(**sizes, gradient_shards=shards))
+            if self.cuts:
+                at = _extrapolated_figures([(c.blocks, self._at(c.plans, batch, seq, shards)) for c in self.cuts],
+                                           self.blocks)
+            else:
+                at = self._at(self.plans, batch, seq, shards)
             self._planned[batch, seq, shards] = step_peak_bytes(at)
         held = step.grads if step.grad_accum > 1 else 0  # gradients accumulated by the earlier micro-batches
         return (step.weights + step.states + step.gathered + held + self._planned[batch, seq, shards],
@@ -576,7 +615,8 @@ class _Traced:
     def row(self, step: _Step, limit: int) -> FitRow:
         passes, optimizer = self._phases(step, step.batch)
         peak = max(passes, optimizer)
-        flops = self.step_flops + sum(p.recompute_flops for p in self.plans)
+        recompute_flops = self._total(lambda p: p.recompute_flops)
+        flops = self.step_flops + recompute_flops
         return FitRow(
             policy=self.policy,
             policy_text=self.text,
@@ -588,12 +628,12 @@ class _Traced:
             optimizer_temporary_bytes=step.temporaries,
             gathered_bytes=step.gathered,
             activations_bytes=max(0, passes - step.weights - step.states - step.grads - step.gathered),
-            offloaded_bytes=sum(p.offloaded_bytes for p in self.plans),
+            offloaded_bytes=round(self._total(lambda p: p.offloaded_bytes)),
             compute_s=flops / step.flops_per_second,
-            copy_s=sum(copy_seconds(p, flops_per_second=step.flops_per_second, bandwidth=step.bandwidth)
-                       for p in self.plans),
-            recompute_flops_fraction=sum(p.recompute_flops for p in self.plans) / self.step_flops if self.step_flops else 0.0,
-            recomputed_ops=sum(len(p.recomputed) for p in self.plans),
+            copy_s=self._total(lambda p: copy_seconds(p, flops_per_second=step.flops_per_second,
+                                                      bandwidth=step.bandwidth)),
+            recompute_flops_fraction=recompute_flops / self.step_flops if self.step_flops else 0.0,
+            recomputed_ops=round(self._total(lambda p: len(p.recomputed))),
             max_batch=_largest(lambda b: self.peak_at(step, b), limit, step.batch,
                                dynamic=any(self.batch_symbols.values())),
             min_gpus=None if step.shard != "fsdp" or step.on_ranks is None else _fewest(
@@ -602,6 +642,147 @@ class _Traced:
                 lambda s: self.peak_at(step, step.batch, s), limit, step.seq, dynamic=any(self.seq_symbols.values())),
             fits=peak <= limit,
         )
+
+
+# Note [Planning from a few alike blocks]
+# A model's blocks are mostly alike (one class, the same parameter shapes), and under a policy
+# that treats each block alike (none, blocks, offload, selective) every figure of a plan grows by
+# the same amount per block: the saved values, the recompute, the gradients, the peaks of the
+# forward and of the backward. So fit traces and plans the model cut to CUT_BLOCKS[0], [1] and
+# [2] of its blocks (the stack's list shortened, the config's layer count with it) and
+# extrapolates each figure along the line through the last two cuts; the first cut checks that
+# the figures lie on a line (LINEAR_SLACK), else the whole model is planned. Three small traces
+# take seconds where one of 32 or 80 blocks takes minutes. What is not caught: a peak that moves
+# from one phase to another past the cuts (a backward's peak at its start while activations
+# outweigh gradients, at its end beyond), which only the per-phase figures (forward, backward)
+# keep apart. Policies whose choice depends on the whole stack (sqrt, segments, every Nth block,
+# a budget, a function) and stacks whose blocks differ (Gemma's sliding and global attention
+# layers, per-layer types) are planned whole; `every_block=True` asks for that always.
+CUT_BLOCKS = (2, 3, 4)
+"""The cuts' block counts (consecutive: each figure's step per block is read off the last two)."""
+LINEAR_SLACK = 1e-3
+"""How far from the line through the last two cuts (a share of the figure) the first cut may lie."""
+_FIGURES = ("forward_peak_bytes", "backward_peak_bytes", "forward_end_bytes", "gradient_bytes")
+"""The figures of a plan a step's peak is made of (step_peak_bytes)."""
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A policy's plans and step FLOPs on the model cut to `blocks` of its stack's blocks."""
+
+    blocks: int
+    plans: tuple[Plan, ...]
+    step_flops: int
+
+
+@dataclass(frozen=True)
+class _Figures:
+    """A plan's figures extrapolated to the whole stack (what step_peak_bytes reads of a Plan)."""
+
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    forward_end_bytes: int
+    gradient_bytes: int
+
+
+def _extrapolated(points: Sequence[tuple[int, float]], blocks: int) -> float:
+    """The value at `blocks` on the line through the last two (block count, value) points."""
+    (k1, v1), (k2, v2) = points[-2:]
+    return v2 + (blocks - k2) * (v2 - v1) / (k2 - k1)
+
+
+def _extrapolated_figures(cuts: Sequence[tuple[int, Sequence[Plan]]], blocks: int) -> list[_Figures]:
+    return [_Figures(**{f: round(_extrapolated([(k, getattr(plans[i], f)) for k, plans in cuts], blocks))
+                        for f in _FIGURES})
+            for i in range(len(cuts[0][1]))]
+
+
+def _on_a_line(points: Sequence[tuple[int, float]]) -> bool:
+    """Whether the first point lies on the line through the others (within LINEAR_SLACK)."""
+    (k0, v0) = points[0]
+    expected = _extrapolated(points[1:], k0)
+    return abs(v0 - expected) <= LINEAR_SLACK * max(abs(v0), abs(expected), 1.0)
+
+
+def _alike_per_block(policy: policy_forms.Policy) -> bool:
+    """A policy that treats every block of a stack of alike blocks alike, whatever the stack's
+    length (Note [Planning from a few alike blocks])."""
+    shown = policy_forms.policy_name(policy)
+    return (shown == "none()" or shown.startswith("selective(") and shown.endswith("skip_first=0)")
+            or shown.startswith(("blocks(every=1, skip_first=auto", "blocks(every=1, skip_first=0")))
+
+
+def _alike_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's one outermost stack of blocks where its blocks are alike and many enough to
+    cut (one class, the same parameter and buffer shapes, dtypes and requires_grad; no per-layer
+    types in the config); None otherwise."""
+    from ckpt_fx.in_place import block_stacks
+
+    stacks = block_stacks(model)
+    outer = [s for s in stacks if not any(s.startswith(f"{o}.") for o in stacks if o and o != s)]
+    if len(outer) != 1:
+        return None
+    stack = model.get_submodule(outer[0])
+    if not isinstance(stack, torch.nn.ModuleList) or len(stack) < CUT_BLOCKS[-1] + 2:
+        return None
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and len(set(layer_types)) > 1:
+        return None
+
+    def signature(block: torch.nn.Module) -> tuple:
+        return (type(block),
+                tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
+                tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()))
+
+    first = signature(stack[0])
+    return stack if all(signature(b) == first for b in stack) else None
+
+
+@contextlib.contextmanager
+def _cut(model: torch.nn.Module, stack: torch.nn.ModuleList, blocks: int):
+    """The model with its stack cut to its first `blocks` blocks (and its config's layer count, which
+    transformers' models loop over), as it was afterwards."""
+    config = getattr(model, "config", None)
+    counts = {key: getattr(config, key) for key in ("num_hidden_layers", "n_layer", "num_layers")
+              if getattr(config, key, None) == len(stack)}
+    rest = list(stack[blocks:])
+    del stack[blocks:]
+    for key in counts:
+        setattr(config, key, blocks)
+    try:
+        yield
+    finally:
+        stack.extend(rest)
+        for key, value in counts.items():
+            setattr(config, key, value)
+
+
+def _from_cuts(model: torch.nn.Module, stack: torch.nn.ModuleList, plan: Callable[[torch.nn.Module], list],
+               names: list[tuple[str, str | None]], memories: list[int | None], batch: int,
+               seq: int | None) -> list[_Traced] | None:
+    """Each policy's _Traced planned on the model cut to CUT_BLOCKS of `stack`'s blocks, or None
+    where a figure does not grow along a line with the blocks (the whole model is planned then)."""
+    planned = {}
+    for k in CUT_BLOCKS:
+        with _cut(model, stack, k):
+            planned[k] = plan(model)
+    traced = []
+    for i, ((shown, text), memory) in enumerate(zip(names, memories)):
+        cuts = tuple(_Cut(k, tuple(planned[k][i][0]), planned[k][i][1]) for k in CUT_BLOCKS)
+        if len({len(c.plans) for c in cuts}) != 1:
+            return None
+        points = [[(c.blocks, getattr(c.plans[g], f)) for c in cuts] for g in range(len(cuts[0].plans))
+                  for f in _FIGURES]
+        points += [[(c.blocks, c.step_flops) for c in cuts],
+                   [(c.blocks, sum(p.recompute_flops for p in c.plans)) for c in cuts]]
+        if not all(_on_a_line(p) for p in points):
+            return None
+        plans = [p for c in cuts for p in c.plans]
+        traced.append(_Traced(shown, text, (), round(_extrapolated([(c.blocks, c.step_flops) for c in cuts],
+                                                                   len(stack))),
+                              _batch_symbols(plans, batch), memory,
+                              _batch_symbols(plans, seq) if seq is not None else None, cuts=cuts, blocks=len(stack)))
+    return traced
 
 
 LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "lora_alpha": "lora_alpha", "dropout": "lora_dropout",
@@ -754,8 +935,8 @@ def _mark_dimension(args: Any, kwargs: Any, dim: int, option: str, what: str,
     return size
 
 
-def _plan(model: torch.nn.Module, args: Any, kwargs: Any, policies: list[policy_forms.Policy],
-          precision: str, *, lenient: list[policy_forms.Policy], device: str = "cuda",
+def _plan(model: torch.nn.Module, *, args: Any, kwargs: Any, policies: list[policy_forms.Policy],
+          precision: str, lenient: list[policy_forms.Policy], device: str = "cuda",
           progress: bool = False) -> list[tuple[list[Plan], int]]:
     """Trace one training step on fake tensors and plan it with each policy; per policy, its plans
     and the step's FLOPs. The step is traced once: each joint graph AOTAutograd hands to the first

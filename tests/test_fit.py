@@ -435,3 +435,53 @@ def test_gradient_accumulation_is_predicted_within_ten_percent_and_suggested():
                 policies=(policy,), device="cpu")
     assert tight.best is None and re.search(r"would fit: \d+ micro-batches of \d+ accumulated \(--batch \d+ --grad-accum \d+",
                                             str(tight)), str(tight)
+
+
+CUT_POLICIES = ("none", "blocks", "selective", "offload")
+
+
+def _row_figures(row):
+    return (row.peak_bytes, row.activations_bytes, row.offloaded_bytes, row.max_batch, row.max_seq, row.min_gpus,
+            row.recomputed_ops, round(row.recompute_flops_fraction, 9), row.fits)
+
+
+@pytest.mark.parametrize("lora_adapters", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_alike_blocks_planned_on_a_cut_model_give_the_whole_models_figures(lora_adapters):
+    """Note [Planning from a few alike blocks]: a transformers Llama of 7 blocks planned from cuts
+    of 2, 3 and 4 blocks gives every figure of every row that planning all 7 gives (peak,
+    activations, offload, largest batch, longest sequence, fewest GPUs, recompute)."""
+    from ckpt_fx.bench.workloads import hf_workload
+    from ckpt_fx.fit import with_lora
+
+    with torch.device("meta"):
+        work = hf_workload("LlamaConfig", layers=7, dim=64, heads=4, vocab=2000, batch=2, seq=128)
+        model = with_lora(work.model, r=4) if lora_adapters else work.model
+    kwargs = dict(memory="256MiB", policies=CUT_POLICIES, device="cuda", seq_dim=1, gpus=2, **work.kwargs)
+    cut, whole = fit(model, **kwargs), fit(model, every_block=True, **kwargs)
+    assert (cut.planned_from, whole.planned_from) == (7, 0)
+    assert "cut to 2, 3 and 4 of its 7 alike blocks" in str(cut) and "cut to" not in str(whole)
+    assert [_row_figures(r) for r in cut.rows] == [_row_figures(r) for r in whole.rows]
+    assert len(work.model.model.layers) == work.model.config.num_hidden_layers == 7  # the cuts leave it whole
+
+
+def test_a_policy_that_depends_on_the_whole_stack_or_blocks_that_differ_plan_every_block(monkeypatch):
+    """Only policies that treat each block alike are planned from cuts (sqrt's segments follow
+    the stack's length; a budget is one for the whole graph); only a stack of alike blocks, long
+    enough, with no per-layer types in its config is cut; a cut whose figures do not lie on a
+    line (here: any, by a negative slack) is planned again on every block."""
+    import ckpt_fx.fit as fit_module
+    from ckpt_fx import policies
+
+    alike = ("none", "blocks", "offload", "selective", "blocks:every=1,skip_first=0")
+    whole = ("sqrt", "segments:2", "blocks:2", "budget:0.5", "blocks:every=1,skip_first=2", "selective:skip_first=1")
+    assert [fit_module._alike_per_block(policies.parse(p)) for p in alike + whole] == [True] * 5 + [False] * 6
+    deep = build("llama", layers=6, dim=64, heads=4)
+    assert fit_module._alike_stack(deep) is deep.layers
+    assert fit_module._alike_stack(build("llama", layers=5, dim=64, heads=4)) is None  # too few to cut
+    deep.config = type("Config", (), {"layer_types": ["sliding_attention", "full_attention"] * 3})()
+    assert fit_module._alike_stack(deep) is None
+    del deep.config
+    ids = torch.randint(0, deep.head.out_features, (4, 32))
+    assert fit(deep, ids, ids, memory="1GiB", policies=("blocks", "sqrt"), device="cpu").planned_from == 0
+    monkeypatch.setattr(fit_module, "LINEAR_SLACK", -1.0)
+    assert fit(deep, ids, ids, memory="1GiB", policies=("blocks",), device="cpu").planned_from == 0
