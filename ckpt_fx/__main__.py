@@ -276,8 +276,12 @@ def _model_options(p: argparse.ArgumentParser, *, model: str, layers: int) -> No
     p.set_defaults(default_layers=layers)
 
 
-POLICY_HELP = ('"blocks", "blocks:N", "blocks:every=N,skip_first=K", "segments:N", "sqrt", "selective", '
+# Written out, not read from ckpt_fx.policies: --help must not import torch (Note [A package that
+# imports torch when used] in ckpt_fx/__init__.py); tests/test_policies.py checks it names every form.
+POLICY_HELP = ('"blocks", "blocks:N", "blocks:every=N,skip_first=K", "offload", "segments:N", "sqrt", "selective", '
                '"budget:0.3", "budget:2GiB", "none", "graph" (README, Policies)')
+FIT_POLICIES = "none;blocks;selective;sqrt;offload;budget:fit;budget:fit,offload"
+"""fit's default policies (ckpt_fx.fit.DEFAULT_POLICIES, written out for the same reason)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                          "parameters keep theirs (fp32 master weights and adapters); nf4: the base's linear layers "
                          "in 4 bits as bitsandbytes holds them for QLoRA (double quantisation), the rest in bf16; "
                          "default: as built (fp32)")
-    ft.add_argument("--policies", default="none;blocks;selective;sqrt;offload;budget:fit;"
-                                          "budget:fit,offload",
+    ft.add_argument("--policies", default=FIT_POLICIES,
                     help="';'-separated policies to plan; budget:fit is a memory budget of what --memory leaves "
                          "after weights and optimizer state, budget:fit,offload one that may keep saved values in "
                          "host memory")

@@ -38,27 +38,6 @@ BOUNDARY = CheckpointPolicy.MUST_SAVE
 RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 OFFLOAD = CheckpointPolicy.MUST_CPU_OFFLOAD
 
-FORMS = (
-    '"blocks"',
-    '"blocks:N"',
-    '"blocks:every=N,skip_first=K"',
-    '"offload"',
-    '"offload:every=N,skip_first=K"',
-    '"segments:N"',
-    '"segments:size=N,skip_first=K"',
-    '"sqrt"',
-    '"sqrt:skip_first=K"',
-    '"none"',
-    '"graph"',
-    '"budget:0.3"',
-    '"budget:2GiB"',
-    '"budget:0.3,costs=measured"',
-    '"budget:20GiB,offload"',
-    '"budget:0.3,offload,bandwidth=25GB/s"',
-    '"selective"',
-    '"selective:save=matmul+attention,skip_first=K"',
-    "a callable (node_info) -> CheckpointPolicy",
-)
 
 
 def _int(name: str, value: object, *, minimum: int, factory: str) -> int:
@@ -406,9 +385,15 @@ _TEXT_FORMS = {
 }
 
 
+_BUDGET_SHOWN = ('"budget:0.3", "budget:2GiB", "budget:0.3,costs=measured|roofline,solver=auto|milp|greedy|parts", '
+                 '"budget:20GiB,offload,bandwidth=25GB/s"')
+FORMS = (*(form.shown for form in _TEXT_FORMS.values()), _BUDGET_SHOWN, "a callable (node_info) -> CheckpointPolicy")
+"""Every way a policy is written, as error messages and the command line's help show them: a new
+text form is added to _TEXT_FORMS (and the module's docstring) only."""
+
+
 def _parse_budget(spec: str, args: str) -> BudgetSpec:
-    shown = '"budget:0.3", "budget:2GiB", "budget:0.3,costs=measured|roofline,solver=auto|milp|greedy|parts", ' \
-            '"budget:20GiB,offload,bandwidth=25GB/s"'
+    shown = _BUDGET_SHOWN
     limit, *options = [a.strip() for a in args.split(",")]
     if not limit:
         raise ValueError(f"policy {spec!r}: budget needs a limit; budget is written {shown}")

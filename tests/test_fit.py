@@ -15,7 +15,7 @@ import ckpt_fx
 from ckpt_fx.fit import fit, parse_memory
 from ckpt_fx.bench.models import build
 from passes import step_peak_bytes
-from tests.fit_check import lora, measured_step_peak
+from tests.measure.fit_check import lora, measured_step_peak
 
 POLICIES = ("none", "blocks:every=1,skip_first=0")
 

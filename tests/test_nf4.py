@@ -11,7 +11,7 @@ import torch
 
 from ckpt_fx.fit import fit
 from ckpt_fx.nf4 import NF4Linear, quantize_frozen
-from tests.fit_check import measured_step_peak
+from tests.measure.fit_check import measured_step_peak
 
 
 def _bitsandbytes():

@@ -263,3 +263,14 @@ def test_only_in_refuses_a_budget_and_keeps_graphs_quiet_about_blocks():
         warnings.simplefilter("error")
         torch.compile(block, backend=backend)(x, cos, sin).sum().backward()
     assert backend.plans[0].recomputed
+
+
+def test_the_command_lines_help_and_fit_default_name_every_policy_form():
+    """The command line writes its policy help and fit's default policies out (its --help must not
+    import torch): every text form, budget included, is named there, and the default is fit's."""
+    from ckpt_fx.__main__ import FIT_POLICIES, POLICY_HELP
+    from ckpt_fx.fit import DEFAULT_POLICIES
+
+    assert all(f'"{name}' in POLICY_HELP for name in [*policies._TEXT_FORMS, "budget"])
+    assert FIT_POLICIES.split(";") == list(DEFAULT_POLICIES)
+    assert all(form in policies.FORMS for form in (policies._TEXT_FORMS["sqrt"].shown, policies._BUDGET_SHOWN))

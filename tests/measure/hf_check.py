@@ -2,7 +2,7 @@
 measured peak of a training step and the median step time, steps of every setup interleaved round
 by round (one machine's drift slows them alike).
 
-    python tests/hf_check.py [--rounds 7] [--only llama,qwen3] [--sizes tiny] [--compiler eager|inductor]
+    python tests/measure/hf_check.py [--rounds 7] [--only llama,qwen3] [--sizes tiny] [--compiler eager|inductor]
         (a few minutes on 2 cores with the eager inner compiler; Inductor compiles each setup for tens of seconds)
 
 Setups, each with HF's switch on first (activation_checkpointing_enable, use_reentrant=False), as

@@ -2,7 +2,7 @@
 forward, backward and AdamW's step, the second step of a run (optimizer state allocated), for
 models, precisions, trainable subsets and policies side by side.
 
-    python tests/fit_check.py          (about 15 minutes on 2 cores)
+    python tests/measure/fit_check.py          (about 15 minutes on 2 cores)
 """
 from __future__ import annotations
 

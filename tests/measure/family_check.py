@@ -3,7 +3,7 @@ step over eager's, for the default policy, blocks:every=1,skip_first=0 and HF's 
 checkpointing, with the largest gradient difference from eager and whether the buffers (BatchNorm's
 running statistics) equal eager's after the same two steps (eager inner compiler).
 
-    python tests/family_check.py [swin] [convnext] [resnet] [albert]     (about 2 minutes on 2 cores)
+    python tests/measure/family_check.py [swin] [convnext] [resnet] [albert]     (about 2 minutes on 2 cores)
 """
 import copy
 import sys

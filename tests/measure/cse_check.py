@@ -3,8 +3,8 @@ the joint graph) and, for comparison, after the CSE: the measured peak of a trai
 predicted one, each compiled fresh (Note [CSE under recompute] in passes/partition.py; the
 README's Known limits gives the measured pairs).
 
-    python tests/cse_check.py MODEL:LAYERS:DIM:BATCH:SEQ [POLICY]      POLICY "blocks" if not given
-    e.g. python tests/cse_check.py LlamaConfig:6:256:2:512 blocks
+    python tests/measure/cse_check.py MODEL:LAYERS:DIM:BATCH:SEQ [POLICY]      POLICY "blocks" if not given
+    e.g. python tests/measure/cse_check.py LlamaConfig:6:256:2:512 blocks
 
 MODEL: gpt2 (transformers' GPT-2, its default dropout), gpt2-nodrop (dropout off), gpt or llama
 (built-in), or a transformers config class (LlamaConfig, MixtralConfig, ...: SDPA, half as many
@@ -21,7 +21,7 @@ import passes.planner
 from ckpt_fx.bench import workloads
 from passes import step_peak_bytes
 
-USAGE = "usage: python tests/cse_check.py MODEL:LAYERS:DIM:BATCH:SEQ [POLICY], e.g. LlamaConfig:6:256:2:512 blocks"
+USAGE = "usage: python tests/measure/cse_check.py MODEL:LAYERS:DIM:BATCH:SEQ [POLICY], e.g. LlamaConfig:6:256:2:512 blocks"
 
 
 def workload(kind: str, layers: int, dim: int, batch: int, seq: int) -> workloads.Workload:

@@ -1,4 +1,4 @@
-"""GPU check, for a machine with CUDA: `python tests/gpu_check.py [--out DIR]` (about 7 minutes).
+"""GPU check, for a machine with CUDA: `python tests/measure/gpu_check.py [--out DIR]` (about 7 minutes).
 
 1. The CUDA-parametrized tests (parity property, dropout, BatchNorm, autocast fp16/bf16, measured
    memory ordering).
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0", "sqrt", "selective", "budget:0.5", "budget:0.3")
 LLAMA = ["--model", "llama", "--layers", "8", "--dim", "512", "--heads", "8", "--batch", "8", "--seq", "512"]
 # Dropout off: Inductor draws its own random numbers, so with dropout no compiled setup's

@@ -1,4 +1,4 @@
-"""Factories for `python -m ckpt_fx bench --model tests.sweep_models:<name>`: the encoder and the
+"""Factories for `python -m ckpt_fx bench --model tests.measure.sweep_models:<name>`: the encoder and the
 vision model of the README's sweep across families (small random configs, dropout off, the
 models' default attention)."""
 import torch
