@@ -49,6 +49,7 @@ import torch
 from ckpt_fx import policies as policy_forms
 from ckpt_fx.dynamo_backend import CkptBackend, Options
 from ckpt_fx.nf4 import NF4Linear, cast_frozen, quantize_frozen, weights_as_4bit
+from ckpt_fx.measure import peak_bytes
 from ckpt_fx.report import _fresh_function, training_loss
 from passes import Plan, step_peak_bytes
 from passes.graphs import copy_graph_module
@@ -783,6 +784,32 @@ def _from_cuts(model: torch.nn.Module, stack: torch.nn.ModuleList, plan: Callabl
                               _batch_symbols(plans, batch), memory,
                               _batch_symbols(plans, seq) if seq is not None else None, cuts=cuts, blocks=len(stack)))
     return traced
+
+
+def measured_step_peak(model: torch.nn.Module, args: tuple, kwargs: dict, *, policy: str, precision: str) -> int:
+    """Bytes live at the peak of a real training step on the CPU, what fit() predicts: what exists
+    before it (weights, buffers, AdamW's state) plus the peak the step allocates above that
+    (ckpt_fx.measure.peak_bytes); the model (a copy) compiled with `policy` under the eager inner
+    compiler, `precision` "fp32" or "bf16-mixed" (CPU autocast). The model's outputs are held
+    until the backward ends, and a chunked head's logits are not returned, as fit() assumes (as
+    enable runs a training call with labels)."""
+    model = copy.deepcopy(model).train()
+    compiled = torch.compile(model, backend="ckpt", options={"policy": policy, "compiler": "eager", "logits": "drop"})
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+
+    def step() -> None:  # outputs held through the backward, as in `outputs = model(**batch); outputs.loss.backward()`
+        with cast:
+            outputs = compiled(*args, **kwargs)
+        training_loss(outputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # compiles, and allocates the optimizer's state
+    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for t in [*model.parameters(), *model.buffers(),
+                        *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]}
+    return sum(before.values()) + peak_bytes(step)
 
 
 LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "lora_alpha": "lora_alpha", "dropout": "lora_dropout",

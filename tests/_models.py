@@ -215,3 +215,12 @@ def seeded_step(fn, ids: torch.Tensor) -> None:
     """A forward and backward of a (token ids, labels) model under a fixed seed."""
     torch.manual_seed(7)
     fn(ids, ids).backward()
+
+
+def lora(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with peft's LoRA adapters (r=8) on its attention projections; the base frozen."""
+    import peft
+
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+    targets = sorted(names & {"q_proj", "v_proj", "query", "value", "wq", "wv", "qkv", "c_attn"})
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets, lora_dropout=0.0))

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import ckpt_fx
-from ckpt_fx.fit import fit, parse_memory
+from ckpt_fx.fit import fit, measured_step_peak, parse_memory
 from ckpt_fx.bench.models import build
 from passes import step_peak_bytes
-from tests.measure.fit_check import lora, measured_step_peak
+from tests._models import lora
 
 POLICIES = ("none", "blocks:every=1,skip_first=0")
 

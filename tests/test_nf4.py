@@ -9,9 +9,8 @@ import os
 import pytest
 import torch
 
-from ckpt_fx.fit import fit
+from ckpt_fx.fit import fit, measured_step_peak
 from ckpt_fx.nf4 import NF4Linear, quantize_frozen
-from tests.measure.fit_check import measured_step_peak
 
 
 def _bitsandbytes():

@@ -1,2 +1,2 @@
-"""Measuring scripts beside the tests (run by hand, each with its usage in its docstring); the tests
-import fit_check's measured step."""
+"""Measuring scripts beside the tests, run by hand (each gives its usage in its docstring); no test
+imports them."""

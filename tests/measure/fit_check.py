@@ -6,40 +6,17 @@ models, precisions, trainable subsets and policies side by side.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
+import pathlib
+import sys
 
 import torch
 
-from ckpt_fx.report import training_loss
-from ckpt_fx.fit import fit
-from ckpt_fx.measure import peak_bytes
+from ckpt_fx.fit import fit, measured_step_peak
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run by path: the repository, for tests._models
+from tests._models import lora  # noqa: E402
 
 POLICIES = ("none", "blocks", "blocks:every=1,skip_first=0")
-
-
-def measured_step_peak(model: torch.nn.Module, args: tuple, kwargs: dict, *, policy: str, precision: str) -> int:
-    """Bytes live at the peak of a real training step: what exists before it (weights, buffers,
-    AdamW's state) plus the peak the step allocates above that (ckpt_fx.measure). The model's
-    outputs are held until the backward ends, and a chunked head's logits are not returned, as
-    fit() assumes (as enable runs a training call with labels)."""
-    model = copy.deepcopy(model).train()
-    compiled = torch.compile(model, backend="ckpt", options={"policy": policy, "compiler": "eager", "logits": "drop"})
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
-    cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
-
-    def step() -> None:  # outputs held through the backward, as in `outputs = model(**batch); outputs.loss.backward()`
-        with cast:
-            outputs = compiled(*args, **kwargs)
-        training_loss(outputs).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # compiles, and allocates the optimizer's state
-    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-              for t in [*model.parameters(), *model.buffers(),
-                        *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]}
-    return sum(before.values()) + peak_bytes(step)
 
 
 def llama():
@@ -80,15 +57,6 @@ MODELS = {
                              intermediate_size=1024, vocab_size=1000, hidden_dropout_prob=0.0,
                              attention_probs_dropout_prob=0.0),
 }
-
-
-def lora(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with peft's LoRA adapters (r=8) on its attention projections; the base frozen."""
-    import peft
-
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
-    targets = sorted(names & {"q_proj", "v_proj", "query", "value", "wq", "wv", "qkv", "c_attn"})
-    return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets, lora_dropout=0.0))
 
 
 def check(name: str, *, precision: str, adapters: bool) -> list[tuple[str, int, int]]:
