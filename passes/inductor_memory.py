@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from typing import NamedTuple
+
 import torch
 
 from passes._compat import backward_lowering_config, blocks_kept_apart
@@ -46,13 +48,27 @@ log = logging.getLogger("ckpt_fx")
 # guess stands, and Plan.peak_model says so.
 
 
-def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> tuple[
-        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None], list[tuple[int, ...] | None]]:
+class Schedule(NamedTuple):
+    """How Inductor runs a graph and holds its memory (inductor_schedule's answer)."""
+
+    steps: int
+    storages: list[tuple[int, int | None, int]]
+    """Each storage the graph allocates: (the step that allocates it, the last step it lives
+    through or None when the graph returns it, bytes)."""
+    input_end: dict[str, int | None]
+    """Per graph input read (by name): the last step it lives through."""
+    returned: list[int | str | None]
+    """Per graph output: the storage it returns (an index into storages, an input's name, or None)."""
+    strides: list[tuple[int, ...] | None]
+    """Per graph output: its stride as Inductor lays it out (None: unknown)."""
+
+
+def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> Schedule:
     """How Inductor will run a partitioned graph and hold its memory, from its own lowering and
     scheduler (what it fuses, the order it picks) and its code generator's rules for buffers (what
     it writes in place, which freed buffer it hands to a later one); nothing is compiled.
 
-    Returns (steps, storages, input_end, returned, strides): each storage the graph allocates as (step that
+    Returns a Schedule (steps, storages, input_end, returned, strides): each storage the graph allocates as (step that
     allocates it, last step it lives through or None when the graph returns it, bytes): a buffer
     written into another's storage, or given a freed one, lengthens that one's life instead of
     allocating; for each graph input read, the last step it lives through (a donated input whose
@@ -66,7 +82,7 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
     AOTAutograd computes them once the partition is made (functorch's donated_buffer). `gm` is
     lowered as it is: pass a copy."""
     steps, storages, input_end, returned, _, strides = _schedule(gm, is_backward=is_backward, donated=donated)
-    return steps, storages, input_end, returned, strides
+    return Schedule(steps, storages, input_end, returned, strides)
 
 
 def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> tuple[
@@ -337,7 +353,7 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
         """A value several blocks read."""
         return len(readers(node)) > 1
 
-    def schedule(gm: torch.fx.GraphModule, segmented: bool, **kwargs) -> tuple:
+    def schedule(gm: torch.fx.GraphModule, segmented: bool, **kwargs) -> Schedule:
         if segmented:
             try:
                 return segmented_schedule(gm, label=label, shared=shared, **kwargs)
@@ -349,7 +365,7 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
     try:
         with _without_guards(fw):  # Note [Predicting adds no guards]
             forward = schedule(fw, True, is_backward=False)
-            backward = schedule(_restrided(bw, fw, forward[4]), by_block, is_backward=True, donated=donated)
+            backward = schedule(_restrided(bw, fw, forward.strides), by_block, is_backward=True, donated=donated)
     except Exception as error:  # noqa: BLE001 - any failure: the walk's own prediction stands
         log.info("ckpt_fx: Inductor's schedule unavailable (%s: %s); the memory pass predicts fusion itself",
                  type(error).__name__, error)
@@ -365,7 +381,7 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
     # 52.2). A segment reading such an input returns it too, so the segment that converts it shows
     # the copy (Note [A schedule per block]).
     results = _results(fw.graph)
-    copies = {n.name: forward[1][place][2] for n, place in zip(results, forward[3])
+    copies = {n.name: forward.storages[place][2] for n, place in zip(results, forward.returned)
               if isinstance(n, torch.fx.Node) and n.op == "placeholder" and isinstance(place, int)}
     if copies:
         entry, key_of = dict(entry), dict(key_of)
@@ -379,7 +395,7 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
         key = key_of.get(node)
         if node.op != "placeholder" or key not in entry or key in pinned:
             continue
-        end = backward[2].get(node.name, -1)
+        end = backward.input_end.get(node.name, -1)
         last = freed.get(key, -1)
         freed[key] = None if end is None or last is None else max(last, end)
     return (schedule_peak(forward, entry={}, freed={}), schedule_peak(backward, entry=entry, freed=freed),
@@ -455,13 +471,12 @@ def _results(graph: torch.fx.Graph) -> tuple:
     return tuple(results) if isinstance(results, (tuple, list)) else (results,)
 
 
-def schedule_peak(schedule: tuple, *, entry: dict[object, int], freed: dict[object, int | None]) -> int:
-    """The peak of live bytes over a schedule, inductor_schedule's answer or its first two items
-    (Note [Inductor's own schedule]): each storage from
+def schedule_peak(schedule: Schedule, *, entry: dict[object, int], freed: dict[object, int | None]) -> int:
+    """The peak of live bytes over a schedule (Note [Inductor's own schedule]): each storage from
     the step that allocates it through the last it lives through (None: to the end), on top of
     `entry` (bytes live at the start by storage key, each freed after the step `freed` names: None
     never, -1 at once, as is one not named)."""
-    steps, storages = schedule[0], schedule[1]
+    steps, storages = schedule.steps, schedule.storages
     delta = [0] * (steps + 2)
     for first, last, nbytes in storages:
         delta[first] += nbytes
@@ -531,8 +546,7 @@ _SEGMENT_CACHE_SIZE = 512
 
 
 def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = (),
-                       label, shared=lambda node: False) -> tuple[
-        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None], list[tuple[int, ...] | None]]:
+                       label, shared=lambda node: False) -> Schedule:
     """inductor_schedule's answer for `gm`, from one schedule per distinct block (Note [A schedule
     per block]); `label(node)` names a node's block or None, `shared(node)` says whether several
     blocks read it. `gm` is not changed."""
@@ -675,7 +689,7 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
         for n, place, stride in zip(outs, places, strides):
             if n.op != "placeholder" or isinstance(place, int):
                 stride_of.setdefault(n, stride)
-    return steps, [tuple(s) for s in storages], input_end, returned, [stride_of.get(n) for n in results]
+    return Schedule(steps, [tuple(s) for s in storages], input_end, returned, [stride_of.get(n) for n in results])
 
 
 def _config_key() -> str:

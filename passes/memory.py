@@ -3,6 +3,8 @@ schedule of them (passes.inductor_memory); predict saved bytes and peaks (a Pred
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import operator
 
@@ -108,6 +110,18 @@ def fused_away(node: torch.fx.Node) -> bool:
 # partitions by): a fusible op feeding only fusible ops is not materialized; counting every
 # output overshoots a fused graph's peak far. It stands where Inductor's own schedule cannot be
 # asked (Note [Inductor's own schedule]).
+
+
+@dataclasses.dataclass
+class _BlockTally:
+    """One unit's figures as the memory pass adds them up (BlockPlan's fields but its path)."""
+
+    saved_bytes: int = 0
+    recomputed_ops: int = 0
+    recompute_flops: int = 0
+    recomputed_bytes: int = 0
+    offloaded_bytes: int = 0
+    forward_flops: int = 0
 
 
 def memory_pass(
@@ -220,25 +234,29 @@ def memory_pass(
     grads = {bw_key[a]: bw_live.get(bw_key[a], 0) for a in param_grads}
 
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
-    per_block: dict[str, list[int]] = {path: [0, 0, 0, 0, 0, 0] for path in block_paths}
+    per_block: dict[str, _BlockTally] = {path: _BlockTally() for path in block_paths}
     for s in saved:
         if s.block is not None and not s.is_input:
-            per_block.setdefault(s.block, [0, 0, 0, 0, 0, 0])[4 if s.offloaded else 0] += s.nbytes
+            tally = per_block.setdefault(s.block, _BlockTally())
+            if s.offloaded:
+                tally.offloaded_bytes += s.nbytes
+            else:
+                tally.saved_bytes += s.nbytes
     for node in fw.graph.nodes:
         region = node.meta.get(REGION_KEY)
         if node.op == "call_function" and region is not None and region.block is not None:
-            per_block.setdefault(region.block.name, [0, 0, 0, 0, 0, 0])[5] += _flops(node)
+            per_block.setdefault(region.block.name, _BlockTally()).forward_flops += _flops(node)
     flops = 0
     for node in recomputed:
         f = _flops(node)
         flops += f
         region = node.meta.get(REGION_KEY)
         if region is not None and region.block is not None:
-            entry = per_block.setdefault(region.block.name, [0, 0, 0, 0, 0, 0])
-            entry[1] += 1
-            entry[2] += f
-            entry[3] += 0 if is_view(node) else tensor_bytes(node.meta.get("val"), sizes)
-    checkpointed = {p for p, v in per_block.items() if v[1]}
+            tally = per_block.setdefault(region.block.name, _BlockTally())
+            tally.recomputed_ops += 1
+            tally.recompute_flops += f
+            tally.recomputed_bytes += 0 if is_view(node) else tensor_bytes(node.meta.get("val"), sizes)
+    checkpointed = {p for p, t in per_block.items() if t.recomputed_ops}
     recomputed_set = set(recomputed)
     step_flops = sum(_flops(n) for g in (fw.graph, bw.graph) for n in g.nodes
                      if n.op == "call_function" and n not in recomputed_set)
@@ -247,9 +265,7 @@ def memory_pass(
         saved=tuple(saved),
         recomputed=tuple(n.name for n in recomputed),
         blocks=tuple(
-            BlockPlan(path=p, saved_bytes=v[0], recomputed_ops=v[1], recompute_flops=v[2], recomputed_bytes=v[3],
-                      offloaded_bytes=v[4], forward_flops=v[5])
-            for p, v in per_block.items()
+            BlockPlan(path=p, **dataclasses.asdict(t)) for p, t in per_block.items()
         ),
         saved_bytes=saved_bytes,
         recompute_flops=flops,
