@@ -168,11 +168,11 @@ def _bench_head(args: argparse.Namespace) -> int:
         given = [flag for flag, value in (("--setups", args.setups), ("--sweep", args.sweep), ("--plot", args.plot),
                                           ("--json", args.json), ("--amp", args.amp),
                                           ("--fallback-random", args.fallback_random)) if value]
-        if given or args.device != "cpu":
-            raise ValueError(f"--head runs its own setups on a CPU; drop {', '.join(given) or '--device'}")
+        if given:
+            raise ValueError(f"--head runs its own setups; drop {', '.join(given)}")
         compiler = args.compiler or Options.settings_from_env().get("compiler", "inductor")
         workload = _workload(args)
-        print(head.table(workload, compiler=compiler, rounds=args.steps))
+        print(head.table(workload, compiler=compiler, rounds=args.steps, device=args.device))
     except ValueError as error:
         print(f"python -m ckpt_fx bench: error: {error}", file=sys.stderr)
         return 2

@@ -50,10 +50,13 @@ def _torchtune_loss() -> Any | None:
     return module.CEWithChunkedOutputLoss
 
 
-def _peer_steps(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, tuple[torch.nn.Module, Callable[[], None]]]:
+def _peer_steps(model: torch.nn.Module, kwargs: dict[str, Any], *,
+                device: str = "cpu") -> dict[str, tuple[torch.nn.Module, Callable[[], None]]]:
     """HF's checkpointing on the blocks with a peer's loss head in place of the model's, for each
     peer installed: the backbone's hidden states, shifted as the model's own loss shifts, then the
-    peer's loss over the head's weight."""
+    peer's loss over the head's weight. On a GPU cut-cross-entropy runs its own kernel and
+    Liger's fused linear cross-entropy joins (both are GPU kernels; on a CPU cut-cross-entropy's
+    PyTorch implementation runs)."""
     peers = {}
     ids, labels = kwargs["input_ids"], kwargs["labels"]
     chunked_loss = _torchtune_loss()
@@ -74,12 +77,24 @@ def _peer_steps(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, tup
 
         cce = _hf(model)
 
+        impl = "cce" if device == "cuda" else "torch_compile"
+
         def cce_step() -> None:
             h = cce.base_model(input_ids=ids, use_cache=False).last_hidden_state
-            linear_cross_entropy(h, cce.get_output_embeddings().weight, labels, shift=True,
-                                 impl="torch_compile").backward()
+            linear_cross_entropy(h, cce.get_output_embeddings().weight, labels, shift=True, impl=impl).backward()
 
-        peers["HF checkpointing + cut-cross-entropy (torch_compile)"] = (cce, cce_step)
+        peers[f"HF checkpointing + cut-cross-entropy ({impl})"] = (cce, cce_step)
+    if device == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger, fused = _hf(model), LigerFusedLinearCrossEntropyLoss()
+
+        def liger_step() -> None:
+            h = liger.base_model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+            fused(liger.get_output_embeddings().weight, h.reshape(-1, h.shape[-1]),
+                  labels[:, 1:].reshape(-1)).backward()
+
+        peers["HF checkpointing + Liger fused linear cross-entropy"] = (liger, liger_step)
     return peers
 
 
@@ -91,7 +106,8 @@ def require_causal_lm(model: torch.nn.Module, kwargs: dict[str, Any], name: str)
                          f"gpt2 or hf:<ConfigClass>), got {name}")
 
 
-def setups(model: torch.nn.Module, kwargs: dict[str, Any], *, compiler: str) -> dict[str, Callable[[], None]]:
+def setups(model: torch.nn.Module, kwargs: dict[str, Any], *, compiler: str,
+           device: str = "cpu") -> dict[str, Callable[[], None]]:
     """HF's checkpointing, enable's default policy with the head whole and chunked, and the peers
     installed: each a training step."""
     whole, chunked = copy.deepcopy(model), copy.deepcopy(model)
@@ -105,28 +121,34 @@ def setups(model: torch.nn.Module, kwargs: dict[str, Any], *, compiler: str) -> 
 
     steps = {"HF checkpointing": step(_hf(model)), "ckpt-fx, head whole": step(whole),
              "ckpt-fx, head chunked": step(chunked)}
-    steps.update({name: run for name, (_, run) in _peer_steps(model, kwargs).items()})
+    steps.update({name: run for name, (_, run) in _peer_steps(model, kwargs, device=device).items()})
     return steps
 
 
-def table(work: Any, *, compiler: str, rounds: int) -> str:
+def table(work: Any, *, compiler: str, rounds: int, device: str = "cpu") -> str:
     """Each setup's measured peak and interleaved median step time on `work` (a causal LM
-    Workload), as a markdown table headed by what ran."""
+    Workload) on `device` ("cpu" or "cuda"), as a markdown table headed by what ran."""
     require_causal_lm(work.model, work.kwargs, work.name)
-    kwargs = {k: v for k, v in work.kwargs.items() if k != "use_cache"}  # each setup's own switch decides
-    steps = setups(work.model, kwargs, compiler=compiler)
+    model = work.model.to(device)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in work.kwargs.items()
+              if k != "use_cache"}  # each setup's own switch decides
+    steps = setups(model, kwargs, compiler=compiler, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     peaks = {}
     for name, run in steps.items():
         run()  # compiles, and the gradients exist before the measured step, as in training
-        peaks[name] = ckpt_fx.peak_bytes(run)
+        peaks[name] = ckpt_fx.peak_bytes(run, device=device)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, run in steps.items():
+            sync()
             start = time.perf_counter()
             run()
+            sync()
             times[name].append(time.perf_counter() - start)
     base = "HF checkpointing"
-    lines = [f"{work.name}, torch {torch.__version__}, inner compiler {compiler}, {rounds} interleaved rounds",
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    lines = [f"{work.name}, {where}, torch {torch.__version__}, inner compiler {compiler}, {rounds} interleaved rounds",
              "| setup | peak MB | peak vs HF | step s (median) | step vs HF | step vs head whole |",
              "|---|---:|---:|---:|---:|---:|"]
     for name in steps:

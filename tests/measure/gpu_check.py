@@ -13,6 +13,10 @@
    offload beside `blocks`, torch's knob and torch's offload of hand-tagged matmul outputs
    (`inductor-offload`): device peak, step time, and each offload plan's measured device peak
    against its prediction (within 10% expected).
+5. The loss head (`bench --head`, Inductor): a Llama of 2 blocks 2048 wide with Llama-3's
+   vocabulary (128256), batch 4 x 1024: HF's checkpointing, ours with the head whole and chunked,
+   and the peers installed (torchtune's chunked cross-entropy, cut-cross-entropy's kernel, Liger's
+   fused linear cross-entropy: `pip install torchtune cut-cross-entropy liger-kernel`).
 
 Prints the tables; exits non-zero when a test fails, a section fails or times out, or a ckpt
 setup's gradients differ from eager's by more than rounding (1e-4 relative in fp32, 2e-2 in bf16).
@@ -36,6 +40,8 @@ LLAMA = ["--model", "llama", "--layers", "8", "--dim", "512", "--heads", "8", "-
 GPT2 = ["--model", "gpt2", "--config", "resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
         "--layers", "6", "--dim", "768", "--heads", "12", "--batch", "8", "--seq", "1024"]
 SWEEP = "0.7,0.5,0.3"
+HEAD = ["--model", "hf:LlamaConfig", "--layers", "2", "--dim", "2048", "--heads", "16", "--config",
+        "vocab_size=128256,intermediate_size=8192", "--batch", "4", "--seq", "1024"]
 
 
 def main() -> int:
@@ -112,6 +118,13 @@ def main() -> int:
                           f"{row['predicted_mb']:.1f} MB ({ratio:.3f}x){'' if abs(ratio - 1) <= 0.1 else '  OUTSIDE 10%'}")
         else:
             print(_tail(out / f"{name}.log", 30))
+    head = HEAD if not args.quick else [*HEAD[:4], "--dim", "64", "--heads", "2", "--config", "vocab_size=4000",
+                                         "--batch", "2", "--seq", "128"]
+    if section("head", [sys.executable, "-m", "ckpt_fx", "bench", "--head", "--device", args.device, *head,
+                        "--steps", "5"], 300 if args.device == "cuda" else 3000):
+        print(_tail(out / "head.log", 10))
+    else:
+        print(_tail(out / "head.log", 30))
     for failure in failures:
         print(f"FAILED {failure}")
     print("gpu_check:", "all checks passed" if not failures else f"{len(failures)} failure(s)")
