@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPUs the step runs on; --batch is then each rank's; the table is one rank's")
     ft.add_argument("--shard", choices=("fsdp", "none"), default=None,
                     help="with --gpus: fsdp (FSDP2 full shard, fully_shard per block and at the root; the default) "
-                         "or none (a replica per GPU, as DDP)")
+                         "or none (a replica per GPU, as DDP); hybrid sharding holds per rank what fsdp over its "
+                         "shard group does: plan it with --gpus GROUP")
     ft.add_argument("--grad-accum", type=_count, default=1,
                     help="micro-batches of --batch accumulated per optimizer step (their gradients held between)")
     ft.add_argument("--max-seq", action="store_true",
