@@ -658,12 +658,13 @@ class _Traced:
 # [2] of its blocks (the stack's list shortened, the config's layer count with it) and
 # extrapolates each figure along the line through the last two cuts; the first cut checks that
 # the figures lie on a line (LINEAR_SLACK), else the whole model is planned. Three small traces
-# take seconds where one of 32 or 80 blocks takes minutes. What is not caught: a peak that moves
-# from one phase to another past the cuts (a backward's peak at its start while activations
-# outweigh gradients, at its end beyond), which only the per-phase figures (forward, backward)
-# keep apart. Policies whose choice depends on the whole stack (sqrt, segments, every Nth block,
-# a budget, a function) and stacks whose blocks differ (Gemma's sliding and global attention
-# layers, per-layer types) are planned whole; `every_block=True` asks for that always.
+# take seconds where one of 32 or 80 blocks takes minutes. The forward's and the backward's peaks
+# are extrapolated apart, so a step's peak that moves from one to the other past the cuts is
+# found; one that moves within the backward (at its start while the saved activations outweigh
+# the gradients it makes, at its end beyond the cuts) is not. Policies whose choice depends on the
+# whole stack (sqrt, segments, every Nth block, a budget, a function) and stacks whose blocks
+# differ (Gemma's sliding and global attention layers, per-layer types) are planned whole;
+# `every_block=True` asks for that always.
 CUT_BLOCKS = (2, 3, 4)
 """The cuts' block counts (consecutive: each figure's step per block is read off the last two)."""
 LINEAR_SLACK = 1e-3
