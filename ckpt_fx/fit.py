@@ -480,8 +480,8 @@ def _dtype_name(params: list[torch.Tensor]) -> str:
 # Hybrid sharding (HSDP: shards within a group of M GPUs, replicas across groups) places on each
 # rank what full sharding over M GPUs does, so --gpus M plans it (not measured). Sharding with
 # reshard_after_forward=False (ZeRO-2's placement) is not planned: it keeps blocks unsharded from
-# their forward to their backward, and counting every block whole through the step overshot a
-# measured gloo rank by 12% (Llama 6 x 256, two ranks), its timing not yet modelled.
+# their forward to their backward, and counting every block whole through the step overshot
+# measured gloo ranks by more than the 10% fit holds; when FSDP2 frees them is not yet modelled.
 
 
 def _rank_bytes(model: torch.nn.Module, train: list[torch.Tensor], *, optimizer: str, device: str, gpus: int,
