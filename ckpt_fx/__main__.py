@@ -249,11 +249,9 @@ def fit(args: argparse.Namespace) -> int:
         rows += [{"memory_bytes": limit, **row} for row in report.to_json()]
     seconds = time.perf_counter() - start
     print(f"planned in {seconds:.0f} s")
-    whole = [p for p in policies  # budget:fit is no policy string the grammar reads; every budget plans whole
-             if p.replace(" ", "").startswith("budget:") or not f._alike_per_block(f.policy_forms.parse(p))]
-    if not report.planned_from and not args.every_block and whole and seconds > 30:
-        _progress(f"every block was traced and planned for {', '.join(whole)} (each depends on the whole stack); "
-                  "--policies 'none;blocks;selective;offload' plans a stack of alike blocks from a few of them, faster")
+    if report.planned_whole_for and seconds > 30:
+        _progress(f"every block was traced and planned for {', '.join(report.planned_whole_for)} (each depends on "
+                  "the whole stack); --policies 'none;blocks;selective;offload' plans a stack of alike blocks from a few of them, faster")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)

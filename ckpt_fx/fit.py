@@ -164,6 +164,9 @@ class FitReport:
     """Where the step was planned on the model cut to a few of its alike blocks and extrapolated
     (Note [Planning from a few alike blocks]), the blocks of its stack; 0 where every block was
     planned."""
+    planned_whole_for: tuple[str, ...] = ()
+    """The policies, as given, that made every block be planned where the model's stack could
+    have been cut (each depends on the whole stack); empty otherwise."""
     _step: _Step | None = field(default=None, repr=False, compare=False)
     _traced: tuple[_Traced, ...] = field(default=(), repr=False, compare=False)
 
@@ -418,7 +421,12 @@ def fit(
 
     plan = functools.partial(_plan, args=args, kwargs=kwargs, policies=[w[2] for w in wanted], precision=precision,
                              lenient=lenient, device=device, progress=progress)
-    stack = None if every_block or not all(_alike_per_block(w[2]) for w in wanted) else _alike_stack(fake)
+    stack = None if every_block else _alike_stack(fake)
+    whole_for = () if stack is None else tuple(dict.fromkeys(
+        policies[k] if isinstance(policies[k], str) else policy_forms.policy_name(policy)
+        for k, _, policy in wanted if not _alike_per_block(policy)))
+    if whole_for:
+        stack = None
     traced = _from_cuts(fake, stack, plan, [name(k, size, policy) for k, size, policy in wanted],
                         [size for _, size, _ in wanted], batch, seq) if stack is not None else None
     if traced is None:
@@ -431,7 +439,8 @@ def fit(
     report = FitReport(rows=(), memory_bytes=limit, batch=batch, precision=precision, optimizer=optimizer,
                        parameters=_parameter_count(fake), trainable_parameters=sum(p.numel() for p in train),
                        best=None, weights_dtype=weights_dtype, _step=step, _traced=tuple(traced),
-                       planned_from=traced[0].blocks)
+                       planned_from=traced[0].blocks,
+                       planned_whole_for=whole_for)
     return report.for_memory(limit)
 
 
@@ -713,10 +722,8 @@ def _on_a_line(points: Sequence[tuple[int, float]]) -> bool:
 
 def _alike_per_block(policy: policy_forms.Policy) -> bool:
     """A policy that treats every block of a stack of alike blocks alike, whatever the stack's
-    length (Note [Planning from a few alike blocks])."""
-    shown = policy_forms.policy_name(policy)
-    return (shown == "none()" or shown.startswith("selective(") and shown.endswith("skip_first=0)")
-            or shown.startswith(("blocks(every=1, skip_first=auto", "blocks(every=1, skip_first=0")))
+    length (Note [Planning from a few alike blocks]): the built-in factories say so themselves."""
+    return bool(getattr(policy, "alike_per_block", False))
 
 
 def _alike_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:

@@ -48,8 +48,10 @@ def _int(name: str, value: object, *, minimum: int, factory: str) -> int:
     return value
 
 
-def _named(policy: Policy, spec: str, *, uses_blocks: bool = True, patterns: tuple[str, ...] = ()) -> NamedPolicy:
-    return NamedPolicy(decide=policy, spec=spec, uses_blocks=uses_blocks, patterns=patterns)
+def _named(policy: Policy, spec: str, *, uses_blocks: bool = True, patterns: tuple[str, ...] = (),
+           alike_per_block: bool = False) -> NamedPolicy:
+    return NamedPolicy(decide=policy, spec=spec, uses_blocks=uses_blocks, patterns=patterns,
+                       alike_per_block=alike_per_block)
 
 
 def _units(unit_of: Callable[[Block], Hashable | None], *, offload: bool = False) -> Callable[[NodeInfo], CheckpointPolicy]:
@@ -110,7 +112,9 @@ def blocks(*, every: int = 1, skip_first: int | str = AUTO, offload: bool = Fals
     if not isinstance(offload, bool):
         raise ValueError(f"blocks: offload must be True or False, got {offload!r}")
     extra = ", offload=True" if offload else ""
-    return _named(_units(unit_of, offload=offload), f"blocks(every={every}, skip_first={skip_first}{extra})")
+    # skip_first="auto" skips no block of a stack of alike blocks.
+    return _named(_units(unit_of, offload=offload), f"blocks(every={every}, skip_first={skip_first}{extra})",
+                  alike_per_block=every == 1 and skip_first in (AUTO, 0))
 
 
 def segments(*, size: int, skip_first: int = 0) -> Policy:
@@ -148,7 +152,7 @@ def none() -> Policy:
     def policy(info: NodeInfo) -> CheckpointPolicy:
         return SAVE
 
-    return _named(policy, "none()", uses_blocks=False)
+    return _named(policy, "none()", uses_blocks=False, alike_per_block=True)
 
 
 def graph() -> Policy:
@@ -211,7 +215,7 @@ def selective(*, save: Sequence[str] = ("matmul", "conv", "attention"), skip_fir
         return BOUNDARY if kept(info) else RECOMPUTE
 
     shown = ", ".join(repr(x) for x in save)
-    return _named(policy, f"selective(save=({shown}), skip_first={skip_first})")
+    return _named(policy, f"selective(save=({shown}), skip_first={skip_first})", alike_per_block=skip_first == 0)
 
 
 def _budget_value(limit: float | str) -> tuple[float | None, int | None]:

@@ -60,6 +60,9 @@ class NamedPolicy:
     cause for a warning."""
     patterns: tuple[str, ...] = ()
     """only_in's module-path patterns, checked against each graph's paths."""
+    alike_per_block: bool = False
+    """True for a policy that decides every block of a stack of alike blocks alike, whatever the
+    stack's length: a plan of a few such blocks extrapolates to many (fit's cut models)."""
 
     def __call__(self, info: NodeInfo) -> CheckpointPolicy:
         return self.decide(info)

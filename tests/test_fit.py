@@ -475,6 +475,7 @@ def test_a_policy_that_depends_on_the_whole_stack_or_blocks_that_differ_plan_eve
     alike = ("none", "blocks", "offload", "selective", "blocks:every=1,skip_first=0")
     whole = ("sqrt", "segments:2", "blocks:2", "budget:0.5", "blocks:every=1,skip_first=2", "selective:skip_first=1")
     assert [fit_module._alike_per_block(policies.parse(p)) for p in alike + whole] == [True] * 5 + [False] * 6
+    assert not fit_module._alike_per_block(lambda info: policies.parse("blocks")(info))  # a user's own: not known
     deep = build("llama", layers=6, dim=64, heads=4)
     assert fit_module._alike_stack(deep) is deep.layers
     assert fit_module._alike_stack(build("llama", layers=5, dim=64, heads=4)) is None  # too few to cut
@@ -482,6 +483,10 @@ def test_a_policy_that_depends_on_the_whole_stack_or_blocks_that_differ_plan_eve
     assert fit_module._alike_stack(deep) is None
     del deep.config
     ids = torch.randint(0, deep.head.out_features, (4, 32))
-    assert fit(deep, ids, ids, memory="1GiB", policies=("blocks", "sqrt"), device="cpu").planned_from == 0
+    both = fit(deep, ids, ids, memory="1GiB", policies=("blocks", "sqrt"), device="cpu")
+    assert (both.planned_from, both.planned_whole_for) == (0, ("sqrt",))
+    assert fit(deep, ids, ids, memory="1GiB", policies=("blocks", "sqrt"), device="cpu",
+               every_block=True).planned_whole_for == ()  # asked for, not forced by a policy
     monkeypatch.setattr(fit_module, "LINEAR_SLACK", -1.0)
-    assert fit(deep, ids, ids, memory="1GiB", policies=("blocks",), device="cpu").planned_from == 0
+    off_the_line = fit(deep, ids, ids, memory="1GiB", policies=("blocks",), device="cpu")
+    assert (off_the_line.planned_from, off_the_line.planned_whole_for) == (0, ())
