@@ -271,7 +271,7 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
     def lower(gm, example_inputs, *args, **kwargs):
         backward = backward_lowering_config() if kwargs.get("is_backward") else {}
         started = time.perf_counter()
-        apart = blocks_kept_apart(block_of, gm) if kwargs.get("is_backward") and block_of else contextlib.nullcontext()
+        apart = blocks_kept_apart(block_of) if kwargs.get("is_backward") and block_of else contextlib.nullcontext()
         # The backward compiles at its first run, outside compile_with_partitioner's patch: the
         # partitioner goes into its cache key too, so the key changes with our lowering (the
         # fusion rule of blocks_kept_apart is no setting Inductor's cache sees).
@@ -312,12 +312,10 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
 # user forces layout optimization. The memory pass lowers backwards with the same settings.
 
 
-def blocks_kept_apart(block_of: Callable[[torch.fx.Node], object | None], gm: torch.fx.GraphModule):
-    """A context in which Inductor's scheduler, lowering the backward `gm`, fuses no two independent
-    nodes (a horizontal fusion) where either holds a recomputation, by `block_of` of the FX nodes
-    they came from (None: no recomputation); in a backward that convolves, none recomputed for
-    different blocks (Note [A backward's blocks kept apart] in passes/inductor_memory.py)."""
-    convolves = any(n.target is torch.ops.aten.convolution.default for n in gm.graph.nodes)
+def blocks_kept_apart(block_of: Callable[[torch.fx.Node], object | None]):
+    """A context in which Inductor's scheduler fuses no two independent nodes (a horizontal fusion)
+    made from different blocks, by `block_of` of the FX nodes they came from (Note [A backward's
+    blocks kept apart] in passes/inductor_memory.py)."""
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
@@ -336,9 +334,7 @@ def blocks_kept_apart(block_of: Callable[[torch.fx.Node], object | None], gm: to
             if not InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
                 return False
             first, second = blocks(node1), blocks(node2)
-            if convolves:
-                return not (first and second and first.isdisjoint(second))
-            return not (first or second)
+            return not (first and second and first.isdisjoint(second))
 
     return V.set_choices_handler(Apart())
 

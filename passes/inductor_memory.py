@@ -116,7 +116,7 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
         graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake.shape_env, is_backward=is_backward)
         if is_backward:  # read from the tracing context, which holds another graph's at partition time
             graph.bw_donated_idxs = list(donated) if functorch_config.donated_buffer else []
-        apart = blocks_kept_apart(recomputed_block, gm) if is_backward else contextlib.nullcontext()
+        apart = blocks_kept_apart(recomputed_block) if is_backward else contextlib.nullcontext()
         with V.set_graph_handler(graph), apart:  # Note [A backward's blocks kept apart]
             graph.run(*inputs)
             scheduler = Scheduler(graph.operations)
@@ -432,27 +432,17 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
 # Note [A backward's blocks kept apart]
 # A checkpointed backward recomputes block k-1 after block k's gradients, and holds one block's
 # insides at a time only if it runs in that order. Inductor's scheduler does not keep it: it fuses
-# independent nodes that read the same buffer (a horizontal fusion), and such a kernel runs when the
-# later of the two could, so the earlier one's inputs stay alive until then. Between blocks: block
-# k-1's recomputed RMSNorm and rotary tables read what block k's attention backward reads (the
-# rotary frequencies), so the start of block k-1's recompute ran inside block k's first kernel and
-# its projections followed, alive through block k's backward. Inside a block: the two RMSNorm
-# weight gradients read the block's input, and were computed in one kernel after the attention
-# backward, keeping the MLP's input gradients and the attention's output (three of the block's
-# tokens x hidden tensors) alive through it, where HF's checkpointing has freed them. So each
-# backward of ours is lowered with no horizontal fusion where either node holds a recomputation
-# (blocks_kept_apart in passes/_compat.py; vertical fusions, and horizontal ones between nodes the
-# policy did not ask to recompute, stay as Inductor makes them; the README's table beside HF's
-# checkpointing shows what it changed; under LoRA on every linear layer, refusing only fusions
-# where both hold one left Llama's and Qwen3's peaks where they were). A backward that convolves
-# keeps Inductor's fusions inside a block, refusing only those between different blocks:
-# ConvNeXt's block fuses its recomputed GELU with the GELU's gradient (both read the same
-# projection), and without that fusion every block peaked 9% higher, as high as no checkpointing
-# (tests/test_inductor_memory.py). Lowering without Inductor's peak-memory reordering was
-# tried as well; it raises other models' peaks (GPT-2's, torch's knob's), so the reordering stays.
-# What is left: Inductor fuses an add into its consumer instead of forming the sum, so under LoRA
-# a projection's base and adapter outputs (and their gradients) are both alive where eager keeps
-# their sum. The memory pass schedules backwards with the same fusion rule.
+# independent nodes that read the same buffer (a horizontal fusion), and block k-1's recomputed
+# RMSNorm and rotary tables read what block k's attention backward reads (the rotary frequencies),
+# so the start of block k-1's recompute ran inside block k's first kernel and its projections
+# followed, alive through block k's backward. So each backward of ours is lowered with no
+# horizontal fusion between nodes recomputed for different blocks (blocks_kept_apart in
+# passes/_compat.py; a node the policy did not ask to recompute fuses as before; the README's
+# table beside HF's checkpointing shows what it changed). What is left is Inductor's order inside a
+# block (weight gradients after the attention backward); lowering without Inductor's peak-memory
+# reordering lowers that too but raises other models' peaks (GPT-2's, torch's knob's), so the
+# reordering stays. The memory pass schedules backwards
+# with the same fusion rule.
 
 
 # Note [Predicting adds no guards]
