@@ -439,9 +439,14 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
 # horizontal fusion between nodes recomputed for different blocks (blocks_kept_apart in
 # passes/_compat.py; a node the policy did not ask to recompute fuses as before; the README's
 # table beside HF's checkpointing shows what it changed). What is left is Inductor's order inside a
-# block (weight gradients after the attention backward); lowering without Inductor's peak-memory
-# reordering lowers that too but raises other models' peaks (GPT-2's, torch's knob's), so the
-# reordering stays. The memory pass schedules backwards
+# block: its two RMSNorm weight gradients, fused horizontally (both read the block's input), run
+# after the attention backward and keep the MLP's input gradients and the attention's output alive
+# through it; the o_proj weight gradient waits the same way. Refusing horizontal fusions of
+# recomputed nodes inside a block too brought `enable` on transformers' Llama, Qwen3 and Phi3 to
+# 0.90x-0.96x HF's peak, but raised budget:0.5's measured peak on a small GPT by 12% (above torch's
+# knob; this memory pass's prediction moved 1%) and ConvNeXt's every-block peak by 9%, so it is
+# not applied. Lowering without Inductor's peak-memory reordering lowers it too but raises other
+# models' peaks (GPT-2's, torch's knob's), so the reordering stays. The memory pass schedules backwards
 # with the same fusion rule.
 
 
