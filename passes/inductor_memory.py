@@ -442,11 +442,12 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
 # block: its two RMSNorm weight gradients, fused horizontally (both read the block's input), run
 # after the attention backward and keep the MLP's input gradients and the attention's output alive
 # through it; the o_proj weight gradient waits the same way. Refusing horizontal fusions of
-# recomputed nodes inside a block too brought `enable` on transformers' Llama, Qwen3 and Phi3 to
-# 0.90x-0.96x HF's peak, but raised budget:0.5's measured peak on a small GPT by 12% (above torch's
-# knob; this memory pass's prediction moved 1%) and ConvNeXt's every-block peak by 9%, so it is
-# not applied. Lowering without Inductor's peak-memory reordering lowers it too but raises other
-# models' peaks (GPT-2's, torch's knob's), so the reordering stays. The memory pass schedules backwards
+# recomputed nodes inside a block too brings `enable` on transformers' Llama, Qwen3 and Phi3 below
+# HF's peak, but it raises the measured peak of a budget's partly recomputed blocks above torch's
+# knob (tests/test_inductor.py) while this memory pass's prediction barely moves, so a budget would
+# choose blind, and it raises ConvNeXt's (its recomputed GELU fuses with the GELU's gradient): not
+# applied until the prediction follows it. Lowering without Inductor's peak-memory reordering
+# lowers it too but raises other models' peaks (GPT-2's, torch's knob's), so the reordering stays. The memory pass schedules backwards
 # with the same fusion rule.
 
 
