@@ -447,8 +447,8 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
 # knob (tests/test_inductor.py) while this memory pass's prediction barely moves, so a budget would
 # choose blind, and it raises ConvNeXt's (its recomputed GELU fuses with the GELU's gradient): not
 # applied until the prediction follows it. Lowering without Inductor's peak-memory reordering
-# lowers it too but raises other models' peaks (GPT-2's, torch's knob's), so the reordering stays. The memory pass schedules backwards
-# with the same fusion rule.
+# lowers it too but raises other models' peaks (GPT-2's, torch's knob's), so the reordering stays.
+# The memory pass schedules backwards with the same fusion rule.
 
 
 # Note [Predicting adds no guards]
