@@ -36,7 +36,7 @@ from passes.head import HeadReport, head_pass
 from passes.offload import OFFLOAD_KEY
 from passes.debug import debug_checks_pass
 from passes.policy import BudgetSpec, NamedPolicy, matches_path, uses_blocks
-from passes.regions import PATH_KEY, recomputed_block
+from passes.regions import PATH_KEY, recomputed_block, recomputed_whole
 from passes.sizes import format_size
 from passes.select import REASON_KEY
 from passes.steps import on_a_fresh_stack, without_full_collections
@@ -396,7 +396,7 @@ class CkptBackend:
                 self.partition, self.cache_key(), kernels=self.kernels,
                 on_backward=lambda seconds: self._say("ckpt_fx: graph %d: its backward compiled in %.1f s, at its first "
                                                       "run", number, seconds),
-                block_of=recomputed_block)
+                block_of=recomputed_block, whole=recomputed_whole)
         else:
             compile_fn = aot_autograd(
                 fw_compiler=boxed_nop,

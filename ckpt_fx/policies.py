@@ -49,9 +49,9 @@ def _int(name: str, value: object, *, minimum: int, factory: str) -> int:
 
 
 def _named(policy: Policy, spec: str, *, uses_blocks: bool = True, patterns: tuple[str, ...] = (),
-           alike_per_block: bool = False) -> NamedPolicy:
+           alike_per_block: bool = False, whole_units: bool = False) -> NamedPolicy:
     return NamedPolicy(decide=policy, spec=spec, uses_blocks=uses_blocks, patterns=patterns,
-                       alike_per_block=alike_per_block)
+                       alike_per_block=alike_per_block, whole_units=whole_units)
 
 
 def _units(unit_of: Callable[[Block], Hashable | None], *, offload: bool = False) -> Callable[[NodeInfo], CheckpointPolicy]:
@@ -114,7 +114,7 @@ def blocks(*, every: int = 1, skip_first: int | str = AUTO, offload: bool = Fals
     extra = ", offload=True" if offload else ""
     # skip_first="auto" skips no block of a stack of alike blocks.
     return _named(_units(unit_of, offload=offload), f"blocks(every={every}, skip_first={skip_first}{extra})",
-                  alike_per_block=every == 1 and skip_first in (AUTO, 0))
+                  alike_per_block=every == 1 and skip_first in (AUTO, 0), whole_units=True)
 
 
 def segments(*, size: int, skip_first: int = 0) -> Policy:
@@ -130,7 +130,7 @@ def segments(*, size: int, skip_first: int = 0) -> Policy:
             return None
         return (block.stack, (block.index - min(skip_first, block.index)) // size)
 
-    return _named(_units(unit_of), f"segments(size={size}, skip_first={skip_first})")
+    return _named(_units(unit_of), f"segments(size={size}, skip_first={skip_first})", whole_units=True)
 
 
 def sqrt(*, skip_first: int = 0) -> Policy:
@@ -143,7 +143,7 @@ def sqrt(*, skip_first: int = 0) -> Policy:
         size = max(1, round(math.sqrt(block.stack_len)))
         return (block.stack, (block.index - min(skip_first, block.index)) // size)
 
-    return _named(_units(unit_of), f"sqrt(skip_first={skip_first})")
+    return _named(_units(unit_of), f"sqrt(skip_first={skip_first})", whole_units=True)
 
 
 def none() -> Policy:

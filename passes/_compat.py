@@ -241,7 +241,8 @@ def has_inductor_partitioner_hook() -> bool:
 
 def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *, kernels: bool = True,
                               on_backward: Callable[[float], None] | None = None,
-                              block_of: Callable[[torch.fx.Node], object | None] | None = None) -> Callable[..., Any] | None:
+                              block_of: Callable[[torch.fx.Node], object | None] | None = None,
+                              whole: Callable[[torch.fx.Node], bool] = lambda node: False) -> Callable[..., Any] | None:
     """A torch.compile backend running Inductor with `partition` as its partitioner, after
     Inductor's own joint-graph passes (config.custom_partitioner_fn); None when this torch lacks
     the hook. `uuid` keys Inductor's FX graph cache: it must change with anything that changes
@@ -249,7 +250,7 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
     `kernels=False`: the partitioned graphs run as Python, op by op, instead of as Inductor's
     generated kernels: the plan Inductor would get, without its code generation (no caching).
     `on_backward(seconds)`: called once the backward's kernels are generated (AOTAutograd compiles
-    the backward at its first run). `block_of`: the backward is lowered with blocks_kept_apart."""
+    the backward at its first run). `block_of`, `whole`: the backward is lowered with blocks_kept_apart."""
     import torch._inductor.config as inductor_config
 
     if not hasattr(inductor_config, "custom_partitioner_fn"):
@@ -271,7 +272,8 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
     def lower(gm, example_inputs, *args, **kwargs):
         backward = backward_lowering_config() if kwargs.get("is_backward") else {}
         started = time.perf_counter()
-        apart = blocks_kept_apart(block_of) if kwargs.get("is_backward") and block_of else contextlib.nullcontext()
+        apart = (blocks_kept_apart(block_of, gm, whole) if kwargs.get("is_backward") and block_of
+                 else contextlib.nullcontext())
         # The backward compiles at its first run, outside compile_with_partitioner's patch: the
         # partitioner goes into its cache key too, so the key changes with our lowering (the
         # fusion rule of blocks_kept_apart is no setting Inductor's cache sees).
@@ -312,28 +314,35 @@ def inductor_with_partitioner(partition: Callable[..., Any], uuid: str | None, *
 # user forces layout optimization. The memory pass lowers backwards with the same settings.
 
 
-def blocks_kept_apart(block_of: Callable[[torch.fx.Node], object | None]):
-    """A context in which Inductor's scheduler fuses no two independent nodes (a horizontal fusion)
-    made from different blocks, by `block_of` of the FX nodes they came from (Note [A backward's
-    blocks kept apart] in passes/inductor_memory.py)."""
+def blocks_kept_apart(block_of: Callable[[torch.fx.Node], object | None], gm: torch.fx.GraphModule,
+                      whole: Callable[[torch.fx.Node], bool] = lambda node: False):
+    """A context in which Inductor's scheduler, lowering the backward `gm`, fuses no two independent
+    nodes (a horizontal fusion) made from different blocks, by `block_of` of the FX nodes they came
+    from (None: no recomputation), and none where either holds a node `whole` says belongs to a
+    unit recomputed whole, unless the backward convolves (Note [A backward's blocks kept apart] in
+    passes/inductor_memory.py)."""
+    convolves = any(n.target is torch.ops.aten.convolution.default for n in gm.graph.nodes)
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
-    def blocks(node) -> set:
-        found = set()
+    def blocks(node) -> tuple[set, bool]:
+        found, whole_unit = set(), False
         for member in node.get_nodes():
             ir = getattr(member, "node", None)
             for origin in (ir.get_origins() if ir is not None else ()):
                 block = block_of(origin)
                 if block is not None:
                     found.add(block)
-        return found
+                    whole_unit = whole_unit or whole(origin)
+        return found, whole_unit
 
     class Apart(InductorChoices):
         def can_fuse_horizontal(self, scheduler, node1, node2, shared_data_score):  # noqa: D102
             if not InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
                 return False
-            first, second = blocks(node1), blocks(node2)
+            (first, first_whole), (second, second_whole) = blocks(node1), blocks(node2)
+            if (first_whole or second_whole) and not convolves:
+                return False
             return not (first and second and first.isdisjoint(second))
 
     return V.set_choices_handler(Apart())

@@ -16,7 +16,7 @@ from passes._compat import backward_lowering_config, blocks_kept_apart
 from passes.costs import tensor_bytes
 from passes.head import workspace_bytes
 from passes.graphs import copy_graph_module
-from passes.regions import REGION_KEY, recomputed_block
+from passes.regions import REGION_KEY, recomputed_block, recomputed_whole
 
 log = logging.getLogger("ckpt_fx")
 
@@ -116,7 +116,7 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
         graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake.shape_env, is_backward=is_backward)
         if is_backward:  # read from the tracing context, which holds another graph's at partition time
             graph.bw_donated_idxs = list(donated) if functorch_config.donated_buffer else []
-        apart = blocks_kept_apart(recomputed_block) if is_backward else contextlib.nullcontext()
+        apart = blocks_kept_apart(recomputed_block, gm, recomputed_whole) if is_backward else contextlib.nullcontext()
         with V.set_graph_handler(graph), apart:  # Note [A backward's blocks kept apart]
             graph.run(*inputs)
             scheduler = Scheduler(graph.operations)
@@ -438,16 +438,22 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
 # followed, alive through block k's backward. So each backward of ours is lowered with no
 # horizontal fusion between nodes recomputed for different blocks (blocks_kept_apart in
 # passes/_compat.py; a node the policy did not ask to recompute fuses as before; the README's
-# table beside HF's checkpointing shows what it changed). What is left is Inductor's order inside a
-# block: its two RMSNorm weight gradients, fused horizontally (both read the block's input), run
-# after the attention backward and keep the MLP's input gradients and the attention's output alive
-# through it; the o_proj weight gradient waits the same way. Refusing horizontal fusions of
-# recomputed nodes inside a block too brings `enable` on transformers' Llama, Qwen3 and Phi3 below
-# HF's peak, but it raises the measured peak of a budget's partly recomputed blocks above torch's
-# knob (tests/test_inductor.py) while this memory pass's prediction barely moves, so a budget would
-# choose blind, and it raises ConvNeXt's (its recomputed GELU fuses with the GELU's gradient): not
-# applied until the prediction follows it. Lowering without Inductor's peak-memory reordering
-# lowers it too but raises other models' peaks (GPT-2's, torch's knob's), so the reordering stays.
+# table beside HF's checkpointing shows what it changed). Inside a block: its two RMSNorm weight
+# gradients, fused horizontally (both read the block's input), ran after the attention backward and
+# kept the MLP's input gradients and the attention's output alive through it, where HF's
+# checkpointing has freed them; the o_proj weight gradient waited the same way. So where the
+# policy recomputes whole units (NamedPolicy.whole_units: blocks, offload, segments, sqrt; select_pass
+# marks what they recompute) no horizontal fusion where either node holds such a recomputation is
+# made at all: `enable` on transformers' Llama, Qwen3 and Phi3 peaks below HF's checkpointing. Not
+# for a budget or selective: their blocks are recomputed in part, and there the stricter rule raised
+# a budget's measured peak above torch's knob (tests/test_inductor.py) while this memory pass's
+# prediction barely moved, so a budget would have chosen blind. Nor in a backward that convolves:
+# ConvNeXt's block fuses its recomputed GELU with the GELU's gradient (both read one projection),
+# and without that fusion every block peaked as high as no checkpointing (tests/test_inductor_memory.py).
+# Lowering without Inductor's peak-memory reordering was tried too: it raises other models' peaks
+# (GPT-2's, torch's knob's), so the reordering stays. What is left: Inductor fuses an add into its
+# consumer instead of forming the sum, so under LoRA a projection's base and adapter outputs (and
+# their gradients) are both alive where eager keeps their sum.
 # The memory pass schedules backwards with the same fusion rule.
 
 
@@ -777,7 +783,10 @@ def _segment_key(members: list[torch.fx.Node], inputs: list[torch.fx.Node], outs
         # Which of the step's seeds a block's dropout reads is a scalar index into one tensor: it
         # changes no buffer, so blocks differing only there share a schedule.
         args = n.args[:1] if str(n.target) == "prims.inductor_lookup_seed.default" else n.args
-        body.append((str(n.target), describe(args), describe(n.kwargs), describe(n.meta.get("val"))))
+        # Whether a node holds a recomputation changes what it may fuse with (Note [A backward's
+        # blocks kept apart]).
+        kept_apart = (recomputed_block(n) is not None, recomputed_whole(n))
+        body.append((str(n.target), describe(args), describe(n.kwargs), describe(n.meta.get("val")), kept_apart))
     return repr((is_backward, donated, tuple(describe(n.meta.get("val")) for n in inputs), tuple(body),
                  tuple(number[n] for n in outs)))
 

@@ -63,6 +63,10 @@ class NamedPolicy:
     alike_per_block: bool = False
     """True for a policy that decides every block of a stack of alike blocks alike, whatever the
     stack's length: a plan of a few such blocks extrapolates to many (fit's cut models)."""
+    whole_units: bool = False
+    """True for a policy that recomputes the whole of each unit it checkpoints, saving only what
+    enters it (blocks, segments, sqrt): its backward is lowered with no horizontal fusion of a
+    recomputed node (Note [A backward's blocks kept apart] in passes/inductor_memory.py)."""
 
     def __call__(self, info: NodeInfo) -> CheckpointPolicy:
         return self.decide(info)

@@ -18,6 +18,8 @@ from passes.warn import warn_user
 
 REGION_KEY = "ckpt_fx.region"
 PATH_KEY = "ckpt_fx.module_path"
+WHOLE_UNIT_KEY = "ckpt_fx.whole_unit"
+"""Set (True) on a node the policy recomputes as part of a whole unit (NamedPolicy.whole_units)."""
 
 # Note [Stacks]
 # A stack is a container (ModuleList, Sequential, or any module) whose children are named by
@@ -427,3 +429,8 @@ def recomputed_block(node: torch.fx.Node) -> str | None:
         return None
     block = getattr(node.meta.get(REGION_KEY), "block", None)
     return block.name if block is not None else None
+
+
+def recomputed_whole(node: torch.fx.Node) -> bool:
+    """Whether a node of a backward recomputes part of a unit the policy recomputes whole."""
+    return recomputed_block(node) is not None and bool(node.meta.get(WHOLE_UNIT_KEY))

@@ -20,7 +20,7 @@ from passes._compat import (
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
 from passes.offload import OFFLOAD_KEY, offloadable
 from passes.policy import NodeInfo, Policy
-from passes.regions import PATH_KEY, REGION_KEY, Region, RegionKind, forward_nodes
+from passes.regions import PATH_KEY, REGION_KEY, WHOLE_UNIT_KEY, Region, RegionKind, forward_nodes
 
 REASON_KEY = "ckpt_fx.reason"
 CPU_RNG_STATE_BYTES = torch.get_rng_state().numel()  # a uint8 tensor: 5056 bytes
@@ -190,7 +190,8 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason
     MUST_SAVE and are applied to a multi-output node's getitems too; the policy decides the rest.
     An offload decision (OFFLOAD) is written as a save, with node.meta[OFFLOAD_KEY] set: the
     planner's offload pass moves what was saved (passes.offload).
-    node.meta[REASON_KEY] says who decided (Reason). Mutates node.meta only; deterministic.
+    node.meta[REASON_KEY] says who decided (Reason); node.meta[WHOLE_UNIT_KEY] marks what a policy
+    that recomputes whole units (NamedPolicy.whole_units) decided. Mutates node.meta only; deterministic.
     Returns {node name: reason} for the hard-ruled nodes.
     """
     fwd_list = forward_nodes(gm.graph)
@@ -199,6 +200,8 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason
         node.meta.pop(RECOMPUTE_KEY, None)
         node.meta.pop(REASON_KEY, None)
         node.meta.pop(OFFLOAD_KEY, None)
+        node.meta.pop(WHOLE_UNIT_KEY, None)
+    whole = bool(getattr(policy, "whole_units", False))
     forced = hard_rules(gm)
     for node in fwd_list:
         if node.name in forced:
@@ -221,6 +224,8 @@ def select_pass(gm: torch.fx.GraphModule, *, policy: Policy) -> dict[str, Reason
             decision = CheckpointPolicy.MUST_SAVE if decision == CheckpointPolicy.MUST_CPU_OFFLOAD else CheckpointPolicy.PREFER_SAVE
         node.meta[RECOMPUTE_KEY] = decision
         node.meta[REASON_KEY] = BY_POLICY
+        if whole:
+            node.meta[WHOLE_UNIT_KEY] = True
     _recompute_tuples_of_recomputed_elements(fwd_list)
     _replayed_or_saved(fwd_list)
     return forced

@@ -313,6 +313,33 @@ def test_select_pass_saves_a_random_op_and_its_tuple_elements_whatever_the_polic
     assert str(forced["getitem"]) == "random (tuple element)"
 
 
+def test_select_pass_marks_what_a_policy_of_whole_units_recomputes():
+    """Note [A backward's blocks kept apart]: blocks, offload, segments and sqrt recompute whole
+    units, and select_pass marks what they recompute (the backward is lowered with no horizontal
+    fusion of it); a budget, selective, none or a user's callable mark nothing."""
+    from passes.policy import NamedPolicy
+    from passes.regions import WHOLE_UNIT_KEY
+    from passes.select import select_pass
+
+    whole = [ckpt_fx.policies.parse(p) for p in ("blocks", "blocks:2", "offload", "segments:2", "sqrt")]
+    partial = [ckpt_fx.policies.parse(p) for p in ("selective", "none", "budget:0.5")]
+    assert [getattr(p, "whole_units", False) for p in whole + partial] == [True] * 5 + [False] * 3
+    aten = torch.ops.aten
+
+    def build(g, value):
+        x = g.placeholder("primals_1")
+        drop = g.create_node("call_function", aten.native_dropout.default, (x, 0.5, True), name="native_dropout")
+        out = g.call_function(operator.getitem, (drop, 0))
+        relu = g.create_node("call_function", aten.relu.default, (out,), name="relu")
+        g.output((relu,))
+
+    recompute = lambda info: CheckpointPolicy.MUST_RECOMPUTE  # noqa: E731
+    for policy, marked in ((NamedPolicy(decide=recompute, spec="w", whole_units=True), {"relu"}), (recompute, set())):
+        gm = _graph(build)
+        select_pass(gm, policy=policy)
+        assert {n.name for n in gm.graph.nodes if n.meta.get(WHOLE_UNIT_KEY)} == marked
+
+
 def test_joint_liveness_frees_a_recomputed_value_in_the_forward_and_rebuilds_it_when_needed():
     """JointLiveness on a hand-built joint graph (4x4 float32 = 64 bytes): saved, `a` lives from
     the forward into the backward (forward peak a+b+c = 192 bytes); recomputed, it dies after its

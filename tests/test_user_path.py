@@ -68,6 +68,30 @@ def test_every_sequence_length_keeps_the_plan_under_inductor():
     assert all(r <= 1.05 for r in ratios.values()), ratios
 
 
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+def test_enable_under_inductor_peaks_at_or_below_hfs_checkpointing(family):
+    """Note [A backward's blocks kept apart]: 4 blocks of 128 with grouped-query attention, HF's
+    switch on, then enable (Inductor): a step's peak within 1% of HF's checkpointing alone (it
+    was 1.03x to 1.12x while Inductor fused the two RMSNorm weight gradients of a block into one
+    kernel after its attention backward)."""
+    torch.manual_seed(0)
+    config, model, extra = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+                            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+                            "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0})}[family]
+    cfg = getattr(transformers, config)(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                        use_cache=False, **extra)
+    hf = getattr(transformers, model)(cfg).train()
+    hf_checkpointing_enable(hf, use_reentrant=False)
+    ours = copy.deepcopy(hf)
+    ckpt_fx.enable(ours, progress=False)
+    ids = torch.randint(0, 1000, (4, 128))
+    for model in (hf, ours, ours):  # ours: compiled, then once more (a second step may recompile)
+        _step(model, ids)
+    ratio = ckpt_fx.peak_bytes(lambda: _step(ours, ids)) / ckpt_fx.peak_bytes(lambda: _step(hf, ids))
+    assert ratio <= 1.01, ratio
+
 def test_lora_on_every_linear_layer_trains_as_hfs_checkpointing_does():
     """peft LoRA r=16 on every linear layer of a Llama whose HF switch is on, then enable (Inductor):
     every block the model checkpointed is recomputed, and the adapters' gradients equal those of
