@@ -51,14 +51,10 @@ MODELS = {
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("policy", ["none", "blocks:every=1,skip_first=0", "selective"])
-def test_the_prediction_from_inductors_schedule_is_within_ten_percent_of_the_measured_peak(fresh_inductor_cache, name, policy,
-                                                                                         request):
+def test_the_prediction_from_inductors_schedule_is_within_ten_percent_of_the_measured_peak(fresh_inductor_cache, name, policy):
     """Every plan's peak predicted from Inductor's own schedule (PeakModel.INDUCTOR), within 10%
-    of the measured peak of the step it compiles to."""
-    if (name, policy) == ("hf-llama-sdpa-gqa", "blocks:every=1,skip_first=0"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "predicted 10.3% over the measured peak since a backward is lowered without horizontal fusions "
-            "inside a block (Note [A backward's blocks kept apart]): the measured peak fell, the prediction less")))
+    of the measured peak of the step it compiles to; every block's within 5% (Note [Hand-overs in
+    a backward of whole units]: 0.976x to 1.004x on torch 2.13 and 2.15)."""
     torch.manual_seed(0)
     model, kwargs = MODELS[name]()
     if kwargs is None:
@@ -79,7 +75,7 @@ def test_the_prediction_from_inductors_schedule_is_within_ten_percent_of_the_mea
     measured = ckpt_fx.peak_bytes(step)
     predicted = ckpt_fx.step_peak_bytes(backend.plans)
     assert backend.plans and all(p.peak_model == PeakModel.INDUCTOR for p in backend.plans)
-    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+    assert abs(predicted / measured - 1) < (0.05 if policy.startswith("blocks") else 0.10), (predicted, measured)
 
 
 def test_a_saved_input_inductor_converts_to_channels_last_is_counted_until_the_backward_reads_it(fresh_inductor_cache):
