@@ -528,7 +528,7 @@ def schedule_peak(schedule: Schedule, *, entry: dict[object, int], freed: dict[o
 # (tests/test_inductor_memory.py holds both to the measured peak), and more with depth: a block
 # scheduled alone hands buffers on under its own peak, the whole graph under the graph's (GPT-2
 # 12 x 256, every block, with hand-overs: backward +8.7%, forward -2.7%; a backward of whole units
-# now hands nothing over: Note [Hand-overs in a backward of whole units]). In the forward, what stands before the
+# hands nothing over: Note [Hand-overs in a backward of whole units]). In the forward, what stands before the
 # first block is a segment of its own (the embedding), and so is what stands after the last (the
 # head and the loss), so the first and last blocks are alike to the others and the head, which no
 # plan changes, is lowered once for all a budget's candidates; and a forward value several blocks
