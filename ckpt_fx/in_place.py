@@ -320,6 +320,28 @@ def disable(model: torch.nn.Module) -> None:
             module.forward = own
 
 
+@contextlib.contextmanager
+def own_forwards(model: torch.nn.Module) -> Iterator[None]:
+    """A context in which an enabled model's modules run the forwards they had before enable (a
+    copy made inside it, as explain makes, is a plain model); nothing changes for a model that is
+    not enabled."""
+    switched = _ENABLED.get(model)
+    if switched is None:
+        yield
+        return
+    current = [(module, module.__dict__.get("forward")) for module, _ in switched.forwards]
+    for module, own in switched.forwards:
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = own
+    try:
+        yield
+    finally:
+        for module, forward in current:
+            module.forward = forward
+
+
 def enabled(model: torch.nn.Module) -> CkptBackend | None:
     """The backend enable gave `model`, or None when it is not enabled."""
     if not isinstance(model, torch.nn.Module):

@@ -12,6 +12,7 @@ import torch
 
 from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend, Options, advisory_logging
+from ckpt_fx.in_place import own_forwards
 from ckpt_fx.measure import peak_bytes
 from passes._compat import logging_calls_ignored, no_fx_graph_cache, pytree
 from passes import Plan, step_peak_bytes
@@ -161,7 +162,8 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
     backend = CkptBackend(options, kernels=measure, count_runs=True)
     unplanned = []  # each joint graph as it came, to plan again without checkpointing
     backend.on_joint.append(lambda joint, joint_inputs, kw: unplanned.append((copy_graph_module(joint), joint_inputs, kw)))
-    work = copy.deepcopy(model)
+    with own_forwards(model):  # an enabled model is explained as the plain model it wraps
+        work = copy.deepcopy(model)
     compiled = torch.compile(_fresh_function(lambda *a, **k: work(*a, **k)), backend=backend)
 
     def step(fn, *, backward: bool = True) -> None:
@@ -183,7 +185,8 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
             for p in work.parameters():
                 p.grad = None
             measured = peak_bytes(lambda: step(compiled), device=device)
-            plain = copy.deepcopy(model)
+            with own_forwards(model):
+                plain = copy.deepcopy(model)
             step(plain)
             for p in plain.parameters():
                 p.grad = None

@@ -159,3 +159,26 @@ def test_a_hugging_face_models_logging_call_does_not_split_explains_graph_and_no
     assert embeds.grad is None, "explain ran a backward without measuring"
     measured = ckpt_fx.explain(model, inputs_embeds=embeds, labels=ids, use_cache=False, compiler="eager", measure=True)
     assert len(measured.plans) == 1 and measured.measured_peak_bytes and embeds.grad is not None
+
+
+def test_explain_on_an_enabled_model_reports_the_plain_models_blocks_and_leaves_it_enabled():
+    """explain copies the model: an enabled one is copied as the plain model it wraps (its own
+    forwards), so its units are named by the model's paths, not by the wrapper dynamo inlined, and
+    the eager step measured beside it is the plain model's; the model stays enabled, its backend's
+    plans untouched."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 100, (2, 16))
+    backend = ckpt_fx.enable(model, compiler="eager", progress=False)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    plans = list(backend.plans)
+    report = ckpt_fx.explain(model, input_ids=ids, labels=ids, use_cache=False, policy="blocks", compiler="eager",
+                             measure=True)
+    assert [b.path for b in report.plans[0].blocks] == ["model.layers.0", "model.layers.1"]
+    assert report.measured_peak_bytes and report.eager_peak_bytes
+    assert ckpt_fx.enabled(model) is backend and backend.plans == plans
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # still compiled: no new graph
+    assert backend.plans == plans
