@@ -74,7 +74,7 @@ import contextlib
 import inspect
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,13 +311,17 @@ def disable(model: torch.nn.Module) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"disable: expected a torch.nn.Module, got {type(model).__name__}")
     switched = _ENABLED.pop(model, None)
-    if switched is None:
-        return
-    for module, own in switched.forwards:
-        if own is None:
+    if switched is not None:
+        _put_forwards(switched.forwards)
+
+
+def _put_forwards(forwards: Iterable[tuple[torch.nn.Module, Any]]) -> None:
+    """Give each module its `forward` attribute (None: none of its own, the class's runs)."""
+    for module, forward in forwards:
+        if forward is None:
             module.__dict__.pop("forward", None)
         else:
-            module.forward = own
+            module.forward = forward
 
 
 @contextlib.contextmanager
@@ -330,16 +334,11 @@ def own_forwards(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     current = [(module, module.__dict__.get("forward")) for module, _ in switched.forwards]
-    for module, own in switched.forwards:
-        if own is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = own
+    _put_forwards(switched.forwards)
     try:
         yield
     finally:
-        for module, forward in current:
-            module.forward = forward
+        _put_forwards(current)
 
 
 def enabled(model: torch.nn.Module) -> CkptBackend | None:
