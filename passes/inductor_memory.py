@@ -558,15 +558,14 @@ def schedule_peak(schedule: Schedule, *, entry: dict[object, int], freed: dict[o
 
 # Note [Hand-overs in a backward of whole units]
 # A backward that recomputes whole units (blocks, segments) is laid end to end with no storage
-# handed from one segment to a later one. Handed over, each block's buffers of its MLP backward were
-# chained through every earlier block's, five storages alive from the last block's backward to the
-# first's where Inductor's schedule of the whole graph keeps three: transformers' Llama 4 x 128
-# (batch 4 x 128, every block) was predicted at 10.86 MB against 9.55 without hand-overs, 9.52 from
-# the whole graph's schedule, 9.52 measured (the model's output held); on the test models
-# (tests/test_inductor_memory.py) every-block plans went from 1.000x-1.103x the measured peak to
-# 1.000x-1.004x (torch 2.13; 0.976x-1.004x on 2.15). A plan that recomputes parts of blocks
-# (selective, a budget's candidates) keeps the hand-overs: without them the built-in Llama's
-# selective plan fell from 0.947x to 0.906x, an under-prediction a budget would trust.
+# handed from one segment to a later one. Each block's backward is alike, so with hand-overs every
+# storage its MLP backward frees is taken by the same buffer of the next block, and each is chained
+# from the last block's backward to the first's. Inductor's schedule of the whole graph lets some of
+# them go, and equals the one laid end to end without hand-overs on transformers' Llama
+# (tests/test_inductor_memory.py holds every-block plans to 5% of the measured peak; the README
+# gives the figures). A plan that recomputes parts of blocks (selective, a budget's candidates)
+# keeps the hand-overs: without them a selective plan was predicted under its measured peak, which a
+# budget would trust.
 _SEGMENT_SCHEDULES: dict[str, tuple] = {}
 _SEGMENT_CACHE_SIZE = 512
 

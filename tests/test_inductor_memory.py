@@ -54,7 +54,7 @@ MODELS = {
 def test_the_prediction_from_inductors_schedule_is_within_ten_percent_of_the_measured_peak(fresh_inductor_cache, name, policy):
     """Every plan's peak predicted from Inductor's own schedule (PeakModel.INDUCTOR), within 10%
     of the measured peak of the step it compiles to; every block's within 5% (Note [Hand-overs in
-    a backward of whole units]: 0.976x to 1.004x on torch 2.13 and 2.15)."""
+    a backward of whole units])."""
     torch.manual_seed(0)
     model, kwargs = MODELS[name]()
     if kwargs is None:
