@@ -262,7 +262,7 @@ def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...], *, co
         out.append("no graph was planned (was the model run without gradients, or did every graph fall back?)")
         return out
     random = any(rule == HardRule.RANDOM for p in plans for rule in p.hard_rules.values()) or any(
-        s.kind in ("dropout mask", "random-number state") for p in plans for s in p.saved)
+        s.kind in ("dropout mask", "random-number state") and not s.draws_nothing for p in plans for s in p.saved)
     if random and compiler == "inductor":
         out.append("dropout under Inductor draws Inductor's own random numbers, as Inductor alone does: statistically "
                    "eager's masks, not bitwise, so gradients differ from an eager step's; "

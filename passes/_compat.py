@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import pathlib
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ __all__ = [
     "CPU_OFFLOAD_PREFIX",
     "current_recompile_limit",
     "default_partition",
+    "dropout_off",
     "dynamo_recompile_limit",
     "FakeCopyMode",
     "FakeTensor",
@@ -71,6 +73,7 @@ __all__ = [
     "pytree",
     "pytree_info",
     "RECOMPUTE_KEY",
+    "saved_state_draws_nothing",
     "size_at",
     "size_hint",
     "symbols_of",
@@ -90,7 +93,8 @@ CHECKPOINT_REGION_KEY = "ac_graph_id"
 #   dropout_p=0 as random (torch._functorch.partitioners.is_rng_op), so recomputing it no longer
 #   saves the CPU generator's state (5 KB) beside it; 2.13's save it
 #   (PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT). Our own hard rules already treated such a call as
-#   deterministic (select._dropout_off); the difference is only in what torch's partition adds.
+#   deterministic (dropout_off); the difference is only in what torch's partition adds, and that
+#   state stands for no draw (saved_state_draws_nothing).
 
 
 def _partitioner_knows_sdpa_without_dropout() -> bool:
@@ -102,6 +106,29 @@ def _partitioner_knows_sdpa_without_dropout() -> bool:
 PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT = _partitioner_knows_sdpa_without_dropout()
 """Whether torch's partitioners recompute an SDPA op called with dropout_p=0 without saving the
 random generator's state (Note [Versions of torch])."""
+
+
+def dropout_off(target: OpOverload, args: tuple, kwargs: dict) -> bool:
+    """True for an op tagged random only for its dropout (attention), called with dropout_p=0:
+    it is deterministic then, and may be recomputed."""
+    for position, argument in enumerate(op_schema(target).arguments):
+        if argument.name == "dropout_p":
+            value = args[position] if position < len(args) else kwargs.get("dropout_p", argument.default_value)
+            return isinstance(value, (int, float)) and value == 0
+    return False
+
+
+def saved_state_draws_nothing(node: torch.fx.Node) -> bool:
+    """True for the generator state torch 2.13's partitioners save around an attention op called
+    with dropout_p=0 (an element of run_and_save_rng_state's result): its bytes are kept, but no
+    random number is drawn with it (Note [Versions of torch])."""
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    target = node.target
+    if not (isinstance(target, HigherOrderOperator) and target.name() == "run_and_save_rng_state"):
+        return False
+    op = node.args[0] if node.args else None
+    return isinstance(op, OpOverload) and dropout_off(op, tuple(node.args[1:]), dict(node.kwargs))
 
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:

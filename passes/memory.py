@@ -10,7 +10,17 @@ import operator
 
 import torch
 
-from passes._compat import CPU_OFFLOAD_PREFIX, OpOverload, is_primal, is_tangent, op_short_name, size_at, size_hint, symbols_of
+from passes._compat import (
+    CPU_OFFLOAD_PREFIX,
+    OpOverload,
+    is_primal,
+    is_tangent,
+    op_short_name,
+    saved_state_draws_nothing,
+    size_at,
+    size_hint,
+    symbols_of,
+)
 from passes.costs import FLOPS_KEY, fuses, is_view, node_flops, tensor_bytes
 from passes.graphs import snapshot
 from passes.head import workspace_bytes
@@ -190,6 +200,7 @@ def memory_pass(
                 view_of=None if source is not node else (
                     key_of[node].name if isinstance(key_of[node], torch.fx.Node) and key_of[node] is not node else None),
                 offloaded=source is not node,
+                draws_nothing=saved_state_draws_nothing(source),
             )
         )
     forward_end = sum(fw_live.values())

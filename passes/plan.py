@@ -47,6 +47,9 @@ class SavedTensor:
     offloaded: bool = False
     """Kept in host memory between the forward and the backward (Note [Offload] in
     passes/offload.py); its bytes are host bytes."""
+    draws_nothing: bool = False
+    """A random-number state saved around an op that draws no random number (attention called
+    with dropout_p=0, which torch 2.13's partitioners treat as random): no mask depends on it."""
 
     @property
     def kind(self) -> str:

@@ -137,7 +137,8 @@ class RegionMap:
     stacks: tuple[str, ...]
     """Module paths of the detected stacks, in forward order."""
     top_level_units: bool
-    """True when no stack was found and top-level children serve as units."""
+    """True when no stack was found and top-level children serve as units (False for a graph of
+    one leaf module, which has no blocks to find: nothing to warn of)."""
     nested_in: tuple[str, ...] = ()
     """Stacks whose members hold stacks of blocks run in sequence: their inner blocks are the
     units (Note [Nested stacks])."""
@@ -237,7 +238,7 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
                 return path, call
         return None
 
-    top_level = False
+    top_level = lone_leaf = False
     if not stacks:
         tops = []
         for node in fwd:
@@ -247,7 +248,10 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
                 if top not in tops:
                     tops.append(top)
         top_level = bool(tops)
-        if top_level and warn:
+        # One leaf module and functions around it (the loss head's own graph, where dynamo broke
+        # the model's graph before it: peft's hook on the embedding) hold no block to name.
+        lone_leaf = len(tops) == 1 and all(len(calls_of[node]) <= 1 for node in fwd)
+        if top_level and warn and not lone_leaf:
             warn_user(
                 "ckpt_fx: no stack of repeated blocks found in this graph; using its top-level "
                 f"children ({', '.join(tops)}) as checkpoint units; if each block is compiled on its own "
@@ -327,7 +331,7 @@ def regions_pass(gm: torch.fx.GraphModule, *, warn: bool = True) -> RegionMap:
     return RegionMap(
         blocks=tuple(blocks[u] for u in order),
         stacks=tuple(dict.fromkeys(b.stack for b in blocks.values())) if not top_level else (),
-        top_level_units=top_level,
+        top_level_units=top_level and not lone_leaf,
         nested_in=nested_in,
     )
 

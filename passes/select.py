@@ -13,6 +13,7 @@ from passes._compat import (
     CheckpointPolicy,
     HigherOrderOperator,
     OpOverload,
+    dropout_off,
     is_impure_not_random,
     op_schema,
     size_hint,
@@ -77,7 +78,7 @@ def hard_rule(node: torch.fx.Node) -> HardRule | None:
     if node.op != "call_function":
         return None
     if isinstance(target, OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags and not _dropout_off(node, target) and not replayable(node):
+        if torch.Tag.nondeterministic_seeded in target.tags and not dropout_off(target, node.args, node.kwargs) and not replayable(node):
             return HardRule.RANDOM
         if target.namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
             return HardRule.COLLECTIVE
@@ -126,19 +127,6 @@ def replayable(node: torch.fx.Node) -> bool:
     if not isinstance(mask, torch.Tensor) or mask.device.type != "cpu":
         return False
     return tensor_bytes(mask) > CPU_RNG_STATE_BYTES
-
-
-def _dropout_off(node: torch.fx.Node, target: OpOverload) -> bool:
-    """True for an op tagged random only for its dropout (attention), called with dropout_p=0:
-    it is deterministic then, and may be recomputed."""
-    for position, argument in enumerate(op_schema(target).arguments):
-        if argument.name == "dropout_p":
-            if position < len(node.args):
-                value = node.args[position]
-            else:
-                value = node.kwargs.get("dropout_p", argument.default_value)
-            return isinstance(value, (int, float)) and value == 0
-    return False
 
 
 def _info(node: torch.fx.Node, fwd: set[torch.fx.Node]) -> NodeInfo:

@@ -69,6 +69,21 @@ def test_dropout_under_inductor_says_its_masks_are_inductors_own():
     assert not any("dropout under Inductor" in w for w in ckpt_fx.explain(model, ids, ids, compiler="eager").warnings)
 
 
+def test_attention_without_dropout_under_inductor_is_not_called_dropout():
+    """SDPA called with dropout_p=0 draws nothing; torch 2.13's partitioners still save the
+    generator's state beside it when it is recomputed. That state is no dropout to warn of."""
+    from passes._compat import PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT
+
+    torch.manual_seed(0)
+    model = build("llama", layers=3, dim=64, heads=2).train()
+    ids = torch.randint(0, 1000, (2, 64))
+    report = ckpt_fx.explain(model, ids, ids, compiler="inductor")
+    assert not any("dropout under Inductor" in w for w in report.warnings)
+    states = [s for plan in report.plans for s in plan.saved if s.kind == "random-number state"]
+    if not PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT:
+        assert states and all(s.draws_nothing for s in states)  # kept, and known to stand for no draw
+
+
 def test_policy_that_matches_nothing_warns():
     model, ids = small()
     report = ckpt_fx.explain(model, ids, ids, policy=policies.only_in("decoder.*", "blocks"))

@@ -163,6 +163,20 @@ def test_mixed_children_are_not_a_stack_and_top_level_children_become_units():
     assert found.top_level_units and [b.path for b in found.blocks] == ["0", "1", "2"]
 
 
+def test_a_graph_of_one_leaf_module_is_not_warned_of():
+    """The loss head's graph after a graph break (a Linear and the loss's functions) has no block
+    to name: it is planned with that module as its unit, quietly. A lone module with modules
+    inside it is still warned of (the user can name its blocks)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = regions_pass(graph_of([[("lm_head", nn.Linear)], [], []]))
+    assert [b.path for b in found.blocks] == ["lm_head"] and not found.top_level_units  # explain quiet too
+    with pytest.warns(UserWarning, match=r"no stack of repeated blocks.*\(encoder\)"):
+        regions_pass(graph_of([[("encoder", Blk), ("encoder.proj", nn.Linear)], [("encoder", Blk)]]))
+
+
 def test_node_without_module_stack_is_other():
     gm = graph_of([[("layers.0", Blk)], [], [("layers.1", Blk)]])
     regions_pass(gm)
