@@ -453,7 +453,10 @@ def _restrided(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule, strides: list
 # Lowering without Inductor's peak-memory reordering was tried too: it raises other models' peaks
 # (GPT-2's, torch's knob's), so the reordering stays. What is left: Inductor fuses an add into its
 # consumer instead of forming the sum, so under LoRA a projection's base and adapter outputs (and
-# their gradients) are both alive where eager keeps their sum.
+# their gradients) are both alive where eager keeps their sum. Storing each such recomputed sum in
+# a kernel of its own (realized, not fused with its consumers) frees the adapter's outputs but does
+# not lower the step: the SwiGLU backward's fused kernel then writes the gradients of both terms
+# apart, as many buffers as it saved, and the step peaked higher.
 # The memory pass schedules backwards with the same fusion rule.
 
 
