@@ -24,11 +24,9 @@ from passes._compat import (
     autograd_cache_hits,
     boxed_nop,
     cache_hash,
-    default_partition,
     has_inductor_partitioner_hook,
     inductor_cache_dir,
     inductor_with_partitioner,
-    min_cut_partition,
 )
 from passes.costs import graph_device
 from passes.graphs import copy_graph_module
@@ -40,11 +38,12 @@ from passes.regions import PATH_KEY, recomputed_block, recomputed_whole
 from passes.sizes import format_size
 from passes.select import REASON_KEY
 from passes.steps import on_a_fresh_stack, without_full_collections
+from passes.targets import INDUCTOR, TARGETS, Target
 from passes.warn import warn_user
 
 log = logging.getLogger("ckpt_fx")
 
-COMPILERS = ("eager", "inductor")
+COMPILERS = tuple(TARGETS)
 # Inductor where this torch has its custom partitioner hook: measured on GPT-2 (README), its peak
 # under each policy is at or below the eager inner compiler's and its steps are faster.
 DEFAULT_COMPILER = "inductor" if has_inductor_partitioner_hook() else "eager"
@@ -106,6 +105,11 @@ class Options:
             raise ValueError(f"progress must be True or False, got {self.progress!r}")
         if not isinstance(self.debug_dir, str) or not self.debug_dir:
             raise ValueError(f"debug_dir must be a non-empty path, got {self.debug_dir!r}")
+
+    @property
+    def target(self) -> Target:
+        """The inner compiler as the passes take it (passes.targets)."""
+        return TARGETS[self.compiler]
 
     @staticmethod
     def settings_from_env() -> dict[str, Any]:
@@ -202,11 +206,9 @@ class CkptBackend:
         """What head_pass did to the graph being compiled: its plan records it."""
 
     @property
-    def partitioner(self) -> str:
-        """Who decides what the policy leaves open: torch's min-cut under Inductor (it knows what
-        Inductor fuses), AOTAutograd's default partition (save it) under the eager compiler
-        (Note [Min-cut under Inductor])."""
-        return "min_cut" if self.options.compiler == "inductor" else "default"
+    def target(self) -> Target:
+        """The inner compiler the plans are made for (passes.targets)."""
+        return self.options.target
 
     def __repr__(self) -> str:
         return f"ckpt_fx.backend(policy={policies.policy_name(self.options.policy)}, compiler={self.options.compiler!r})"
@@ -232,7 +234,7 @@ class CkptBackend:
                     policy_name=name,
                     num_fwd_outputs=kwargs["num_fwd_outputs"],
                     static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
-                    partitioner=self.partitioner,
+                    target=self.target,
                     strict=self.options.strict,
                     dump=_dumper(folder) if folder is not None else None,
                     device=self.device,
@@ -243,10 +245,8 @@ class CkptBackend:
         except Exception as error:
             if self.options.strict:
                 raise
-            fallback = min_cut_partition if self.partitioner == "min_cut" else default_partition
-            without = "Inductor's own partition" if self.partitioner == "min_cut" else "AOTAutograd's default partition"
-            warn_user(f"ckpt_fx: falling back to {without} (no checkpointing) for this graph: {error}")
-            fw, bw = fallback(
+            warn_user(f"ckpt_fx: falling back to {self.target.own_partition} (no checkpointing) for this graph: {error}")
+            fw, bw = self.target.partition(
                 handed_over,
                 joint_inputs,
                 num_fwd_outputs=kwargs["num_fwd_outputs"],
@@ -390,8 +390,8 @@ class CkptBackend:
         if self.options.head == "chunked" and training:
             self.head_report = head_pass(gm, keep_logits=self.options.logits == "keep")
         self._compiles += 1
-        number, inner = self._compiles, "Inductor" if self.options.compiler == "inductor" else "the eager inner compiler"
-        if self.options.compiler == "inductor":
+        number, inner = self._compiles, "Inductor" if self.target is INDUCTOR else "the eager inner compiler"
+        if self.target is INDUCTOR:
             compile_fn = inductor_with_partitioner(
                 self.partition, self.cache_key(), kernels=self.kernels,
                 on_backward=lambda seconds: self._say("ckpt_fx: graph %d: its backward compiled in %.1f s, at its first "
@@ -445,7 +445,7 @@ class CkptBackend:
     def _plan_record(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> pathlib.Path | None:
         """Where the plan of this graph is recorded beside Inductor's cache (Note [Plans of cached
         graphs]); None where Inductor does not cache it."""
-        key = self.cache_key() if self.options.compiler == "inductor" and self.kernels else None
+        key = self.cache_key() if self.target is INDUCTOR and self.kernels else None
         if key is None:
             return None
 

@@ -84,6 +84,7 @@ from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend, advisory_logging, backend
 from passes._compat import current_recompile_limit, logging_calls_ignored
 from passes.head import keeps_less_in_chunks
+from passes.targets import EAGER
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def _with_head(top: torch.nn.Module, module: torch.nn.Module, chosen: CkptBacken
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("labels") is None or not (self.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        if chosen.options.compiler == "eager" and not _chunked_at(self, kwargs["labels"]):
+        if chosen.target is EAGER and not _chunked_at(self, kwargs["labels"]):
             # A head one chunk would cover stays whole (SMALLER_ONLY in passes/head.py); whole, it
             # keeps less run eagerly beside the backbone than run as Python in its graph.
             return original(*args, **kwargs)

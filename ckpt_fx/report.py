@@ -21,6 +21,7 @@ from passes.sizes import format_size
 from passes.graphs import copy_graph_module
 from passes.policy import uses_blocks
 from passes.select import HardRule
+from passes.targets import EAGER, INDUCTOR, Target
 
 # A checkpointed block whose recompute keeps out less than this is not worth its recompute.
 SMALL_REGION_BYTES = 64 * 1024
@@ -204,7 +205,7 @@ def explain(model: torch.nn.Module, *args: Any, policy: policies.Policy | str | 
         measured_peak_bytes=measured,
         eager_peak_bytes=eager,
         no_checkpoint_peak_bytes=step_peak_bytes(as_run(baseline.plans)) if baseline.plans else None,
-        warnings=tuple(_pitfalls(options.policy, name, plans, compiler=options.compiler)),
+        warnings=tuple(_pitfalls(options.policy, name, plans, target=options.target)),
         units=tuple(_units(plans)),
     )
 
@@ -255,7 +256,7 @@ def _units(plans: tuple[Plan, ...]) -> list[str]:
     return out
 
 
-def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...], *, compiler: str = "eager") -> list[str]:
+def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...], *, target: Target = EAGER) -> list[str]:
     """The pitfalls of checkpointing that a plan shows (see the README's FAQ)."""
     out = []
     if not plans:
@@ -263,7 +264,7 @@ def _pitfalls(policy: policies.Policy, name: str, plans: tuple[Plan, ...], *, co
         return out
     random = any(rule == HardRule.RANDOM for p in plans for rule in p.hard_rules.values()) or any(
         s.kind in ("dropout mask", "random-number state") and not s.draws_nothing for p in plans for s in p.saved)
-    if random and compiler == "inductor":
+    if random and target is INDUCTOR:
         out.append("dropout under Inductor draws Inductor's own random numbers, as Inductor alone does: statistically "
                    "eager's masks, not bitwise, so gradients differ from an eager step's; "
                    "torch._inductor.config.fallback_random = True, or compiler='eager', draws eager's")

@@ -266,10 +266,11 @@ class Candidates:
                 yield candidate
 
     @classmethod
-    def of(cls, spec: BudgetSpec, joint: Joint, hard_rules: dict[str, Reason], *, fused: bool) -> Candidates:
-        """The candidates a budget offers for a joint graph: on the finer grid under min-cut, whose
-        candidates are searched by _search (Note [Peak-aware budget]); with offload, priced at
-        the spec's bandwidth or torch's."""
+    def of(cls, spec: BudgetSpec, joint: Joint, hard_rules: dict[str, Reason]) -> Candidates:
+        """The candidates a budget offers for a joint graph, priced and decided for its target:
+        on the finer grid under Inductor, whose candidates are searched by _search (Note
+        [Peak-aware budget]); with offload, priced at the spec's bandwidth or torch's."""
+        fused = joint.target.fuses
         bandwidth = (spec.bandwidth or offload_bandwidth()) if spec.offload else None
         return cls(joint.gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=spec.solver,
                    node_limit=spec.node_limit, costs=spec.costs, fused=fused, bandwidth=bandwidth,
@@ -341,10 +342,11 @@ class Chooser:
 def choose(joint: Joint, spec: BudgetSpec, *, hard_rules: dict[str, Reason], strict: bool) -> tuple[Planned, Choice]:
     """A memory budget's plan of a joint graph and the choice that made it. A budget offers
     several candidate plans and picks one by their predicted peaks (Note [Peak-aware budget]):
-    under the default partition by walking the joint graph (_by_walk), under min-cut by planning
-    them (_by_planning). When none fits: the lowest, with a warning naming the budget it reaches
-    (an Infeasible error under strict); when none lowers the peak at all, the graph as it is."""
-    search = _by_planning if joint.partitioner == "min_cut" else _by_walk
+    for the eager target by walking the joint graph (_by_walk), for Inductor, whose min-cut
+    partition adds recomputes of its own, by planning them (_by_planning). When none fits: the
+    lowest, with a warning naming the budget it reaches (an Infeasible error under strict); when
+    none lowers the peak at all, the graph as it is."""
+    search = _by_planning if joint.target.fuses else _by_walk
     planned, choice, error = search(joint, spec, hard_rules)
     if error is not None:
         if strict:
@@ -360,7 +362,7 @@ def _by_walk(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) -> t
     steps, gm = joint.steps, joint.gm
     liveness = steps.run("memory", lambda: JointLiveness(
         gm, num_fwd_outputs=joint.num_fwd_outputs, static_input_indices=joint.static_lifetime_input_indices))
-    offered = iter(steps.run("solve", lambda: Candidates.of(spec, joint, hard_rules, fused=False)))
+    offered = iter(steps.run("solve", lambda: Candidates.of(spec, joint, hard_rules)))
     chooser: Chooser | None = None
     first = lowest = None
     lowest_peak = 0
@@ -394,7 +396,7 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
     steps, gm = joint.steps, joint.gm
 
     def cost(planned: Planned) -> float:
-        return recompute_cost(gm, planned.prediction.recomputed, fused=True)
+        return recompute_cost(gm, planned.prediction.recomputed, fused=joint.target.fuses)
 
     base = plan_policy(joint, _leave_open)  # what Inductor alone does: nothing recomputed by us
     chooser = Chooser(spec, base=base.prediction.estimate())
@@ -413,7 +415,7 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
             chooser = chooser.with_ceiling(knob.prediction.peak_bytes)
             if found is not None and base.prediction.peak_bytes > chooser.ceiling:
                 found = None
-    offered = steps.run("solve", lambda: Candidates.of(spec, joint, hard_rules, fused=True))
+    offered = steps.run("solve", lambda: Candidates.of(spec, joint, hard_rules))
     planned: dict[tuple, tuple[Planned, str]] = {}  # each distinct plan partitioned once, with its solver
 
     def plan(i: int) -> Planned:
@@ -581,7 +583,7 @@ def _affordable(offered: Candidates, gm: torch.fx.GraphModule, bound: float) -> 
     lo, hi = 0, len(offered)
     while lo < hi:
         mid = (lo + hi) // 2
-        if recompute_cost(gm, offered[mid].recomputed, fused=True) < bound:
+        if recompute_cost(gm, offered[mid].recomputed, fused=offered.fused) < bound:
             lo = mid + 1
         else:
             hi = mid

@@ -29,6 +29,7 @@ from passes.liveness import just_in_time, walk
 from passes.offload import on_host
 from passes.plan import BlockPlan, Estimate, PeakModel, Prediction, SavedTensor
 from passes.regions import PATH_KEY, REGION_KEY
+from passes.targets import EAGER, Target
 
 # Note [What the predicted peak counts]
 # Bytes allocated during one training step above what was live before it: forward temporaries,
@@ -143,7 +144,7 @@ def memory_pass(
     block_paths: tuple[str, ...] = (),
     static_input_indices: list[int] | None = None,
     sizes: dict[str, int] | None = None,
-    fused: bool = False,
+    target: Target = EAGER,
     offloaded: tuple[str, ...] = (),
     by_block: bool = True,
     gradient_shards: int = 1,
@@ -153,7 +154,8 @@ def memory_pass(
     `offloaded`: the saved values offload_pass moved to host memory (their copies count no device
     bytes; Note [Offload] in passes/offload.py).
 
-    `fused`: the graphs run under Inductor (Note [Predicting a fused graph]).
+    `target`: the inner compiler the graphs run under (passes.targets): under Inductor, peaks from
+    its schedule, or walked as it fuses (Note [Predicting a fused graph]).
     `by_block`: under Inductor, whether the backward may be scheduled block by block (Note [A
     schedule per block]); the forward always may.
     `block_paths` lists the units in forward order; the Plan reports each of them in that order.
@@ -173,7 +175,7 @@ def memory_pass(
     for n in inputs:
         key_of[n] = ("input", n.name)
     fw_live: dict[object, int] = {}
-    fw_peak = _walk(fw.graph, live=fw_live, key_of=key_of, pinned=set(), sizes=sizes, fused=fused)
+    fw_peak = _walk(fw.graph, live=fw_live, key_of=key_of, pinned=set(), sizes=sizes, fused=target.fuses)
 
     outputs = [a for a in fw.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
     user_outputs, saved_nodes = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
@@ -229,12 +231,12 @@ def memory_pass(
     keep = set(static_input_indices) if static_input_indices is not None else None
     param_grads = [a for i, a in enumerate(bw_out.args[0]) if isinstance(a, torch.fx.Node) and (keep is None or i in keep)]
     sharded = frozenset(storage_of(a) for a in param_grads) if gradient_shards > 1 else frozenset()
-    bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned, sizes=sizes, fused=fused, sharded=sharded,
+    bw_peak = _walk(bw.graph, live=bw_live, key_of=bw_key, pinned=pinned, sizes=sizes, fused=target.fuses, sharded=sharded,
                     shards=gradient_shards)
     peak_model = PeakModel.WALK
     # At the sizes the graphs were traced with Inductor can be asked; not of host copies, which
     # its storages would count as the device's.
-    if fused and not sizes and not offloaded and gradient_shards == 1:
+    if target.fuses and not sizes and not offloaded and gradient_shards == 1:
         scheduled = scheduled_peaks(fw, bw, entry=bw_entry, key_of=bw_key, pinned=pinned, by_block=by_block)
         if scheduled is not None:
             fw_peak, bw_peak, copies = scheduled
@@ -292,7 +294,7 @@ def memory_pass(
         # At the traced sizes: a way to predict at others (a prediction at other sizes needs none).
         at=functools.partial(_predict_at, snapshot(fw), snapshot(bw), num_fwd_outputs=num_fwd_outputs,
                              forward_names=forward_names, block_paths=block_paths, offloaded=offloaded,
-                             static_input_indices=static_input_indices, fused=fused) if symbols and not sizes else None,
+                             static_input_indices=static_input_indices, target=target) if symbols and not sizes else None,
     )
 
 

@@ -6,10 +6,9 @@ import contextlib
 
 import torch
 
-from passes._compat import RECOMPUTE_KEY, default_partition, min_cut_partition, without_joint_cse
+from passes._compat import RECOMPUTE_KEY, without_joint_cse
 from passes.select import RECOMPUTE
-
-PARTITIONERS = ("default", "min_cut")
+from passes.targets import EAGER, Target
 
 
 def partition_pass(
@@ -18,16 +17,17 @@ def partition_pass(
     *,
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
-    partitioner: str = "default",
+    target: Target = EAGER,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Split the joint graph by the decisions select_pass wrote into node.meta["recompute"].
 
-    Both partitioners are torch's and both honour the MUST_SAVE / MUST_RECOMPUTE tags (torch's
-    selective-checkpointing contract); they differ on what a policy leaves open (PREFER_SAVE):
-    - "default" saves every such forward value the backward needs (AOTAutograd's default
+    The target's partitioner (passes.targets) does it; both are torch's and both honour the
+    MUST_SAVE / MUST_RECOMPUTE tags (torch's selective-checkpointing contract); they differ on what
+    a policy leaves open (PREFER_SAVE):
+    - the eager target's saves every such forward value the backward needs (AOTAutograd's default
       partition): nothing is recomputed that the policy did not ask for. The eager inner compiler
       uses it: without fusion, a recomputed pointwise op is a kernel of its own.
-    - "min_cut" gives the open decisions to torch's min-cut partitioner, which recomputes cheap
+    - Inductor's gives the open decisions to torch's min-cut partitioner, which recomputes cheap
       fusible ops when that saves bytes (Note [Min-cut under Inductor]): with no tags this is
       exactly Inductor's own partition, and every policy's savings stack on top of it. Min-cut
       first merges identical nodes of the joint graph (its CSE) as torch does, unless the policy
@@ -38,13 +38,10 @@ def partition_pass(
     do (dead code removed, tags of forced saves added; min_cut may replace joint.graph by its CSE'd
     copy, node names and meta kept); deterministic.
     """
-    if partitioner not in PARTITIONERS:
-        raise ValueError(f"unknown partitioner {partitioner!r}; valid: {', '.join(PARTITIONERS)}")
-    split = min_cut_partition if partitioner == "min_cut" else default_partition
-    merge = merges_joint(joint, partitioner=partitioner)
+    merge = merges_joint(joint, target=target)
     # A joint graph min-cut merged before needs no second CSE: it would find nothing more to merge.
     with without_joint_cse() if merge is False or joint.meta.get(MERGED_KEY) else contextlib.nullcontext():
-        fw, bw = split(
+        fw, bw = target.partition(
             joint,
             joint_inputs,
             num_fwd_outputs=num_fwd_outputs,
@@ -65,11 +62,11 @@ def recomputes(joint: torch.fx.GraphModule) -> bool:
     return any(n.meta.get(RECOMPUTE_KEY) in RECOMPUTE for n in joint.graph.nodes)
 
 
-def merges_joint(joint: torch.fx.GraphModule, *, partitioner: str) -> bool | None:
+def merges_joint(joint: torch.fx.GraphModule, *, target: Target) -> bool | None:
     """Whether partition_pass lets min-cut CSE the joint graph first: when nothing is marked for
     recompute (Note [CSE under recompute]); None under the default partition, which has no such
     step."""
-    if partitioner != "min_cut":
+    if not target.fuses:
         return None
     return not recomputes(joint)
 

@@ -18,6 +18,7 @@ from passes._compat import CHECKPOINT_REGION_KEY
 from passes.regions import PATH_KEY, REGION_KEY, forward_nodes, regions_pass
 from passes.select import hard_rules
 from passes.steps import Dump, Steps
+from passes.targets import EAGER, Target
 
 log = logging.getLogger("ckpt_fx")
 
@@ -30,7 +31,7 @@ def run(
     policy_name: str,
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
-    partitioner: str = "default",
+    target: Target = EAGER,
     strict: bool = False,
     dump: Dump | None = None,
     device: str | None = None,
@@ -39,7 +40,7 @@ def run(
     (passes.planner: select -> partition -> fold twins -> schedule -> memory), or a memory
     budget's search over such plans (passes.budget); returns (fw, bw, plan).
 
-    `partitioner`: "default" or "min_cut" (passes.partition, Note [Min-cut under Inductor]).
+    `target`: the inner compiler the plan is for (passes.targets).
     `strict`: a memory budget no plan reaches raises instead of planning the lowest with a warning.
     `dump(pass_name, "before"|"after", gm)`, when given, sees each pass's graph.
     `device`: the device type to plan for when not the graph's own (its costs).
@@ -61,7 +62,7 @@ def run(
             if CHECKPOINT_REGION_KEY in n.meta and getattr(n.meta.get(REGION_KEY), "block", None) is not None)),
     )
     prepared = Joint(gm=joint, inputs=joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                     static_lifetime_input_indices=static_lifetime_input_indices, partitioner=partitioner,
+                     static_lifetime_input_indices=static_lifetime_input_indices, target=target,
                      block_paths=tuple(b.name for b in region_map.blocks), steps=steps, device=device)
     if isinstance(policy, BudgetSpec):
         planned, choice = budget.choose(prepared, policy, hard_rules=forced, strict=strict)

@@ -19,6 +19,7 @@ from passes.regions import REGION_KEY, RegionKind, forward_nodes
 from passes.schedule import schedule_pass
 from passes.select import BY_POLICY, REASON_KEY, RECOMPUTE, select_pass
 from passes.steps import Steps
+from passes.targets import Target
 
 
 
@@ -32,8 +33,8 @@ class Joint:
     """AOTAutograd's joint inputs, for the partitioner."""
     num_fwd_outputs: int
     static_lifetime_input_indices: list[int] | None
-    partitioner: str
-    """"default" or "min_cut" (passes.partition)."""
+    target: Target
+    """The inner compiler the plan is for (passes.targets): how it is partitioned and predicted."""
     block_paths: tuple[str, ...]
     """The units' names in forward order: the Plan reports each of them."""
     steps: Steps
@@ -60,12 +61,12 @@ def plan_policy(joint: Joint, policy: Policy, *, by_block: bool | None = None) -
         and getattr(n.meta.get(REGION_KEY), "kind", None) == RegionKind.EMBEDDING
     )
     asked = recomputes(gm) or torch_budget() < 1.0
-    merged = merges_joint(gm, partitioner=joint.partitioner)
+    merged = merges_joint(gm, target=joint.target)
     fw, bw = steps.run(
         "partition",
         lambda: partition_pass(gm, joint.inputs, num_fwd_outputs=joint.num_fwd_outputs,
                                static_lifetime_input_indices=joint.static_lifetime_input_indices,
-                               partitioner=joint.partitioner),
+                               target=joint.target),
         gm,
     )
     steps.run("batchnorm", lambda: fold_twins(fw), fw)
@@ -99,7 +100,7 @@ def _predicted(joint: Joint, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
     """The memory pass's prediction of a plan's two graphs."""
     return memory_pass(fw, bw, num_fwd_outputs=joint.num_fwd_outputs, forward_names=forward_names,
                        block_paths=joint.block_paths, static_input_indices=joint.static_lifetime_input_indices,
-                       fused=joint.partitioner == "min_cut", offloaded=offloaded, by_block=by_block)
+                       target=joint.target, offloaded=offloaded, by_block=by_block)
 
 
 # Note [Whole backward schedules]

@@ -183,7 +183,7 @@ def test_a_recomputing_plan_is_partitioned_once_without_cse_and_peaks_no_higher_
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert plan.recomputed and plan.joint_cse is False and len(partitions) == 1, (plan.joint_cse, partitions)
     for module in (passes.partition, passes.planner):  # the CSE'd partition, for comparison
-        monkeypatch.setattr(module, "merges_joint", lambda joint, *, partitioner: True)
+        monkeypatch.setattr(module, "merges_joint", lambda joint, *, target: True)
     merged, _, merged_plan = measured(ckpt_fx.backend(policy=policy, compiler="inductor", strict=True))
     assert merged_plan.joint_cse is True and merged_plan.recomputed
     assert ours <= 1.03 * merged, (ours, merged)

@@ -184,3 +184,36 @@ def test_a_deprecation_attributed_to_our_code_fails_the_suite(module):
         with pytest.raises(category):
             warnings.warn_explicit("this API goes away", category, filename="x.py", lineno=1, module=module)
     warnings.warn_explicit("not ours", DeprecationWarning, filename="x.py", lineno=1, module="some_library")
+
+
+COMPILER_NAMES = {"eager", "inductor", "min_cut"}
+"""How options and torch name inner compilers and partitioners."""
+PARSES_OPTIONS = {"ckpt_fx/dynamo_backend.py", "ckpt_fx/__main__.py", "passes/targets.py"}
+"""Where a name of an inner compiler may be compared: the options and the command line that parse
+it, the targets it names; the bench (ckpt_fx/bench/) compares torch's own backend names."""
+
+
+def compared_compiler_names(trees: dict[pathlib.Path, ast.AST]) -> list[str]:
+    """Comparisons with a name of an inner compiler outside the code that parses options: past
+    it, the passes and the package ask a Target (passes/targets.py)."""
+    found = []
+    for path, tree in trees.items():
+        relative = path.relative_to(ROOT).as_posix()
+        if relative in PARSES_OPTIONS or relative.startswith("ckpt_fx/bench/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(isinstance(o, ast.Constant) and o.value in COMPILER_NAMES for o in operands):
+                    found.append(f"{relative}:{node.lineno}")
+    return found
+
+
+def test_the_inner_compiler_is_asked_not_named(trees):
+    assert compared_compiler_names(trees) == []
+
+
+def test_the_compiler_name_check_catches_a_planted_comparison(trees):
+    path = ROOT / "passes" / "planner.py"
+    planted = {**trees, path: ast.parse(path.read_text() + "\nflag = joint_partitioner == 'min_cut'\n")}
+    assert compared_compiler_names(planted) == [f"passes/planner.py:{len(path.read_text().splitlines()) + 2}"]

@@ -15,6 +15,7 @@ from passes.memory import _walk
 from passes.regions import forward_nodes
 from passes.schedule import schedule_pass
 from passes.select import BY_POLICY, REASON_KEY, HardRule, Reason
+from passes.targets import INDUCTOR
 from tests._models import Recorder, Spec, bitwise_equal, inputs, make, train_step
 
 
@@ -385,7 +386,7 @@ def test_a_plan_at_other_sizes_keeps_what_planning_decided():
     _, _, plan = passes.pipeline.run(
         joint, joint_inputs, policy=ckpt_fx.policies.parse("blocks:every=1,skip_first=0"), policy_name="blocks",
         num_fwd_outputs=kw["num_fwd_outputs"], static_lifetime_input_indices=kw.get("static_lifetime_input_indices"),
-        partitioner="min_cut")
+        target=INDUCTOR)
     assert plan.joint_cse is not None and plan.symbols and plan.recomputed
     symbol, hint = next(iter(plan.symbols.items()))
     longer = plan.at(**{symbol: 4 * hint})
@@ -472,7 +473,7 @@ def test_a_joint_graph_min_cut_merged_is_partitioned_alike_without_merging_again
 
     def torch_plan_after_inductors_own(merge_again: bool) -> tuple[str, str, int]:
         gm = copy_graph_module(joint)
-        partition = lambda: partition_pass(gm, joint_inputs, num_fwd_outputs=kw["num_fwd_outputs"], partitioner="min_cut")  # noqa: E731
+        partition = lambda: partition_pass(gm, joint_inputs, num_fwd_outputs=kw["num_fwd_outputs"], target=INDUCTOR)  # noqa: E731
         assert len(real(gm.graph).nodes) < len(gm.graph.nodes)  # the CSE has nodes to merge here
         partition()
         assert gm.meta[MERGED_KEY]

@@ -17,6 +17,7 @@ from ckpt_fx.dynamo_backend import CkptBackend, Options
 from ckpt_fx.dynamo_backend import backend as ckpt_backend
 from passes._compat import activation_memory_budget, own_backend, per_block_checkpointing, torch_offloading
 from passes.costs import op_class
+from passes.targets import INDUCTOR
 
 CPU_SETUPS = (
     "eager", "checkpoint", "inductor-budget:0.5", "ckpt:blocks", "ckpt:blocks:every=1,skip_first=0",
@@ -133,7 +134,7 @@ class Setup:
     def inductor_draws(self) -> bool:
         """Whether its random ops (dropout) run as Inductor's own kernels."""
         if self.ours and self.compiler is None:
-            return ckpt_backend(policy="none").options.compiler == "inductor"
+            return ckpt_backend(policy="none").target is INDUCTOR
         return self.compiler == "inductor"
 
     def prepare(self, model: torch.nn.Module) -> tuple[Callable[..., Any], CkptBackend | None, Callable[[], Any]]:
