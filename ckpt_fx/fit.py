@@ -530,7 +530,7 @@ def _shard_bytes(p: torch.Tensor, ranks: int) -> int:
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks FSDP2 is applied to one by one: the children of every stack of repeated blocks."""
-    from ckpt_fx.in_place import block_stacks
+    from passes.regions import block_stacks
 
     return [child for name in block_stacks(model) for child in model.get_submodule(name).children()]
 
@@ -730,7 +730,7 @@ def _alike_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The model's one outermost stack of blocks where its blocks are alike and many enough to
     cut (one class, the same parameter and buffer shapes, dtypes and requires_grad; no per-layer
     types in the config); None otherwise."""
-    from ckpt_fx.in_place import block_stacks
+    from passes.regions import block_stacks
 
     stacks = block_stacks(model)
     outer = [s for s in stacks if not any(s.startswith(f"{o}.") for o in stacks if o and o != s)]

@@ -84,6 +84,7 @@ from ckpt_fx import policies
 from ckpt_fx.dynamo_backend import CkptBackend, advisory_logging, backend
 from passes._compat import current_recompile_limit, logging_calls_ignored
 from passes.head import keeps_less_in_chunks
+from passes.regions import block_stacks
 from passes.targets import EAGER
 
 
@@ -278,17 +279,6 @@ def _units(module: torch.nn.Module, flagged: list[str]) -> tuple[str, ...]:
             if len(children) > 1 and all(k.isdigit() for k in children):
                 found.extend(f"{name}.{k}" if name else k for k in children)
     return tuple(dict.fromkeys(found))
-
-
-def block_stacks(model: torch.nn.Module) -> list[str]:
-    """The paths of the model's stacks of repeated blocks: modules whose children are named 0, 1,
-    ... and are of one class."""
-    stacks = []
-    for name, module in model.named_modules():
-        children = dict(module.named_children())
-        if len(children) > 1 and all(k.isdigit() for k in children) and len({type(c) for c in children.values()}) == 1:
-            stacks.append(name)
-    return stacks
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module:

@@ -50,6 +50,18 @@ WHOLE_UNIT_KEY = "ckpt_fx.whole_unit"
 # apart); otherwise by the index in the path, as above.
 
 
+def block_stacks(model: torch.nn.Module) -> list[str]:
+    """The paths of a model's stacks of repeated blocks, read from its modules as the graph's are
+    read from its nodes (Note [Stacks]): modules with more than one child, named 0, 1, ... and of
+    one class. `enable`, `fit` and the bench find blocks with it."""
+    stacks = []
+    for name, module in model.named_modules():
+        children = dict(module.named_children())
+        if len(children) > 1 and all(k.isdigit() for k in children) and len({type(c) for c in children.values()}) == 1:
+            stacks.append(name)
+    return stacks
+
+
 @dataclass(frozen=True, kw_only=True)
 class Block:
     """One checkpointable unit: a member of a stack (one call of it), or a top-level child when

@@ -68,7 +68,7 @@ def test_a_failing_setup_is_a_row_with_its_error():
     workload = workloads.Workload(name="linear", model=torch.nn.Linear(4, 4), args=(torch.randn(2, 4),))
     rows = bench.run(workload, ("eager", "checkpoint"), steps=1)
     r = rows[1]
-    assert "needs a model with a ModuleList of blocks" in r.error and math.isnan(r.peak_mb)
+    assert "needs a model with a stack of repeated blocks" in r.error and math.isnan(r.peak_mb)
     table = bench.markdown(rows)
     assert "| checkpoint | failed |" in table and "- checkpoint: " in table
     import json

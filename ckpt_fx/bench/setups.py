@@ -17,6 +17,7 @@ from ckpt_fx.dynamo_backend import CkptBackend, Options
 from ckpt_fx.dynamo_backend import backend as ckpt_backend
 from passes._compat import activation_memory_budget, own_backend, per_block_checkpointing, torch_offloading
 from passes.costs import op_class
+from passes.regions import block_stacks
 from passes.targets import INDUCTOR
 
 CPU_SETUPS = (
@@ -170,17 +171,18 @@ def parse_setups(names: tuple[str, ...]) -> tuple[Setup, ...]:
     return tuple(Setup.parse(name) for name in names)
 
 
-def _block_stack(model: torch.nn.Module) -> torch.nn.ModuleList:
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
-    if not lists:
-        raise ValueError("setup 'checkpoint' needs a model with a ModuleList of blocks")
-    return max(lists, key=len)
+def _block_stack(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's longest stack of repeated blocks (passes.regions.block_stacks)."""
+    stacks = [model.get_submodule(name) for name in block_stacks(model)]
+    if not stacks:
+        raise ValueError("setup 'checkpoint' needs a model with a stack of repeated blocks (children named 0, 1, ... of one class)")
+    return max(stacks, key=lambda stack: len(list(stack.children())))
 
 
 def checkpoint_every_block(model: torch.nn.Module, *, selective: bool = False) -> torch.nn.Module:
     """What HF's activation checkpointing does: torch.utils.checkpoint around every block (HF's own
-    switch where the model has one, else torch's apply_activation_checkpointing on the largest
-    ModuleList's members). `selective`: torch's op-level selective checkpointing inside each block
+    switch where the model has one, else torch's apply_activation_checkpointing on the longest
+    stack's members). `selective`: torch's op-level selective checkpointing inside each block
     instead (what torchtitan's op-level mode does): matmul and attention outputs saved, the rest
     recomputed."""
     options: dict[str, Any] = {}
@@ -190,7 +192,7 @@ def checkpoint_every_block(model: torch.nn.Module, *, selective: bool = False) -
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
     if getattr(model, "supports_gradient_checkpointing", False):
         return hf_checkpointing_enable(model, use_reentrant=False, **options)
-    blocks = {id(b) for b in _block_stack(model)}
+    blocks = {id(b) for b in _block_stack(model).children()}
     return per_block_checkpointing(model, lambda m: id(m) in blocks, **options)
 
 
