@@ -224,3 +224,16 @@ def lora(model: torch.nn.Module) -> torch.nn.Module:
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
     targets = sorted(names & {"q_proj", "v_proj", "query", "value", "wq", "wv", "qkv", "c_attn"})
     return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets, lora_dropout=0.0))
+
+
+def hand_built(build) -> torch.fx.GraphModule:
+    """A hand-built graph: `build(graph, value)` adds nodes; `value(node, *shape)` gives a node a
+    float32 meta tensor of that shape (its meta "val") and returns it."""
+    graph = torch.fx.Graph()
+
+    def value(node, *shape):
+        node.meta["val"] = torch.empty(shape, device="meta")
+        return node
+
+    build(graph, value)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)

@@ -99,3 +99,15 @@ def test_selective_saves_every_attention_kernel_and_grouped_matmul():
                      "aten.mm.default"):
         assert op_class(producer.rsplit(".", 1)[0]) is not None, producer
     assert op_class("aten.add") is None and op_class("aten._scaled_dot_product_flash_attention_for_cpu_backward") is None
+
+
+def test_fused_costs_price_a_pointwise_recompute_as_its_reads_and_a_matmul_as_before():
+    """Under Inductor a recomputed pointwise op costs its extra reads (no launch, no write); a
+    matmul costs its roofline time either way."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, w: torch.mm(torch.relu(x), w))(torch.randn(64, 64), torch.randn(64, 64))
+    nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    relu, mm = nodes[torch.ops.aten.relu.default], nodes[torch.ops.aten.mm.default]
+    assert 0 < roofline_cost(relu, "cpu", fused=True) < roofline_cost(relu, "cpu") / 2
+    assert roofline_cost(mm, "cpu", fused=True) == roofline_cost(mm, "cpu")

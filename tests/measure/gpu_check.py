@@ -83,7 +83,7 @@ def main() -> int:
 
     if not args.skip_tests:
         section("tests", [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-k", "cuda",
-                          "tests/test_parity.py", "tests/test_training_features.py", "tests/test_passes.py"], 150)
+                          "tests/test_parity.py", "tests/test_training_features.py", "tests/test_memory.py"], 150)
         print(_tail(out / "tests.log", 25))
 
     runs = [  # name, model, setups, bf16 autocast, gradient tolerance, seconds allowed
