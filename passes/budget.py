@@ -386,6 +386,56 @@ def _by_walk(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) -> t
     return plan_policy(joint, lowest), choice, error
 
 
+@dataclass
+class _Entry:
+    """One distinct plan a budget's search under Inductor partitioned."""
+
+    planned: Planned
+    solver: str | None
+    """The solver whose candidate it is (Choice.solver)."""
+    fits: bool | None = None
+    """Its verdict against the limit, once judged."""
+
+
+class _Books:
+    """What a budget's search under Inductor has planned (_by_planning): each distinct candidate
+    partitioned once, by its decisions, with the solver that found it, and judged once (a
+    Choice's `candidates` counts distinct plans). A candidate that decides nothing is the base."""
+
+    def __init__(self, joint: Joint, offered: Candidates, base: Planned):
+        self.joint, self.offered = joint, offered
+        self.base = _Entry(base, None)
+        self.entries: dict[tuple, _Entry] = {}
+
+    def entry(self, i: int) -> _Entry:
+        candidate = self.joint.steps.run("solve", lambda: self.offered[i])
+        if not candidate.recomputed and not candidate.offloaded:
+            return self.base
+        key = (candidate.solution.saved, candidate.solution.recomputed, candidate.solution.offloaded)
+        if key not in self.entries:
+            self.entries[key] = _Entry(plan_policy(self.joint, candidate), candidate.solution.solver)
+        return self.entries[key]
+
+    def plan(self, i: int) -> Planned:
+        """Candidate i, partitioned (once)."""
+        return self.entry(i).planned
+
+    def fits(self, i: int, chooser: Chooser) -> bool:
+        """Whether candidate i's plan fits the chooser's limit, judged once per plan."""
+        entry = self.entry(i)
+        if entry.fits is None:
+            entry.fits = chooser.fits(entry.planned.prediction.estimate())
+        return entry.fits
+
+    def planned(self) -> list[Planned]:
+        """Every plan partitioned from a candidate that decides anything, in the order planned."""
+        return [entry.planned for entry in self.entries.values()]
+
+    def entry_of(self, planned: Planned) -> _Entry | None:
+        """The entry of a plan partitioned from a candidate that decides anything, or None."""
+        return next((entry for entry in self.entries.values() if entry.planned is planned), None)
+
+
 def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) -> tuple[Planned, Choice, Infeasible | None]:
     """Under min-cut, which adds recomputes of its own, a candidate's peak is known only once it is
     partitioned (the memory pass reads it from Inductor's schedule), so few are: Inductor's own
@@ -416,39 +466,21 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
             if found is not None and base.prediction.peak_bytes > chooser.ceiling:
                 found = None
     offered = steps.run("solve", lambda: Candidates.of(spec, joint, hard_rules))
-    planned: dict[tuple, tuple[Planned, str]] = {}  # each distinct plan partitioned once, with its solver
-
-    def plan(i: int) -> Planned:
-        candidate = steps.run("solve", lambda: offered[i])
-        if not candidate.recomputed and not candidate.offloaded:
-            return base
-        key = (candidate.solution.saved, candidate.solution.recomputed, candidate.solution.offloaded)
-        if key not in planned:
-            planned[key] = (plan_policy(joint, candidate), candidate.solution.solver)
-        return planned[key][0]
-
-    verdicts: dict[int, bool] = {}  # by plan, judged once: Choice.candidates counts distinct plans
-
-    def fits(i: int) -> bool:
-        planned_i = plan(i)
-        if id(planned_i) not in verdicts:
-            verdicts[id(planned_i)] = chooser.fits(planned_i.prediction.estimate())
-        return verdicts[id(planned_i)]
+    books = _Books(joint, offered, base)
 
     if found is None:
         limit = chooser.limit if chooser.ceiling is None else min(chooser.limit, chooser.ceiling)
         saved = lambda i: base.prediction.saved_bytes if i < 0 else offered[i].solution.saved_bytes  # noqa: E731
-        peak = lambda i: (base if i < 0 else plan(i)).prediction.peak_bytes  # noqa: E731
+        peak = lambda i: (base if i < 0 else books.plan(i)).prediction.peak_bytes  # noqa: E731
         point = (torch_plan.prediction.saved_bytes, torch_plan.prediction.peak_bytes) if torch_plan is not None else None
-        index = _search(len(offered), fits=fits, saved=saved, peak=peak, same=lambda i, j: plan(i) is plan(j),
-                        limit=limit, torch_point=point,
+        index = _search(len(offered), fits=lambda i: books.fits(i, chooser), saved=saved, peak=peak,
+                        same=lambda i, j: books.plan(i) is books.plan(j), limit=limit, torch_point=point,
                         affordable=_affordable(offered, gm, cost(knob)) if knob is not None else len(offered))
-        found = plan(index) if index is not None else None
-    solvers = {id(p): name for p, name in planned.values()}
+        found = books.plan(index) if index is not None else None
     if found is None and torch_plan is not None and not whole:
         # None of ours fits. Torch's plan cannot either; where it may be the lowest plan, it is
         # judged as ours are, by its whole backward's schedule; else it takes no part.
-        lowest_ours = min((p.prediction.peak_bytes for p, _ in planned.values()), default=base.prediction.peak_bytes)
+        lowest_ours = min((p.prediction.peak_bytes for p in books.planned()), default=base.prediction.peak_bytes)
         if _within_reach(torch_plan, lowest_ours):
             torch_plan = scheduled_whole(joint, torch_plan)
             if chooser.fits(torch_plan.prediction.estimate()):
@@ -458,15 +490,15 @@ def _by_planning(joint: Joint, spec: BudgetSpec, hard_rules: dict[str, Reason]) 
     if knob is not None and (found is None or cost(knob) < cost(found)):
         found = knob
     if found is not None:
-        return found, _choice_of(chooser, found, cost(found), knob=knob, solvers=solvers), None
+        return found, _choice_of(chooser, found, cost(found), knob=knob, books=books), None
     # Nothing fits: the lowest plan, with the budget it reaches; or, when no plan lowers this
     # graph's peak at all (nothing in it to recompute), the graph as it is.
-    tried = [p for p, _ in planned.values()] + ([torch_plan] if torch_plan is not None else [])
+    tried = books.planned() + ([torch_plan] if torch_plan is not None else [])
     lowest_plan = min(tried, key=lambda p: p.prediction.peak_bytes, default=base)
     if chooser.nothing_to_lower():
         return base, chooser.choice(base.prediction.peak_bytes, cost=0.0, source=Source.UNCHANGED), None
     error = chooser.infeasible()
-    choice = _choice_of(chooser, lowest_plan, cost(lowest_plan), knob=torch_plan, solvers=solvers, reached=error.reached)
+    choice = _choice_of(chooser, lowest_plan, cost(lowest_plan), knob=torch_plan, books=books, reached=error.reached)
     return lowest_plan, choice, error
 
 
@@ -590,13 +622,14 @@ def _affordable(offered: Candidates, gm: torch.fx.GraphModule, bound: float) -> 
     return lo
 
 
-def _choice_of(chooser: Chooser, planned: Planned, cost: float, *, knob: Planned | None, solvers: dict[int, str],
+def _choice_of(chooser: Chooser, planned: Planned, cost: float, *, knob: Planned | None, books: _Books,
                reached: float | None = None) -> Choice:
     """The Choice of a plan the min-cut search picked: torch's, a solver's, or Inductor's own."""
+    entry = books.entry_of(planned)
     if planned is knob:
         source, solver = Source.TORCH_KNOB, None
-    elif id(planned) in solvers:
-        source, solver = Source.SOLVER, solvers[id(planned)]
+    elif entry is not None:
+        source, solver = Source.SOLVER, entry.solver
     else:
         source, solver = Source.UNCHANGED, None
     return chooser.choice(planned.prediction.peak_bytes, cost=cost, source=source, solver=solver, reached=reached)
