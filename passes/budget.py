@@ -66,6 +66,29 @@ from passes.warn import BudgetWarning, warn_user
 BUDGET_GRID = (1.0, 0.75, 0.55, 0.4, 0.3, 0.22, 0.16, 0.12, 0.09, 0.065, 0.045, 0.03, 0.02, 0.01)
 PLANNED_GRID = tuple(round(0.85**k, 4) for k in range(29))  # 1.0 down to 0.009
 
+# The search's other tunables: each trades plans partitioned (seconds each under Inductor) for a
+# plan nearer the cheapest, or a warning for a plan that changes nothing.
+NEAR = 0.05
+"""How near the limit a fitting candidate's peak must be for the one before it (saving more, so
+cheaper to run) to be planned next (_cheapest_fitting): one partition more for a cheaper plan."""
+LOWEST_SEARCH = 6
+"""Distinct plans _lowest_from_the_end partitions at most, each costing a partition and
+Inductor's schedule: more finds a lower lowest plan where nothing fits, slower."""
+NEIGHBOUR = 0.05
+"""How much more a candidate must save than the last one _lowest_from_the_end planned to be
+planned: a few small values apart peak about alike, not worth a partition."""
+PLATEAU = 0.01
+"""How far above the lowest peak so far a plan saving more may peak while _lowest_from_the_end
+goes on looking (past the lowest, a plan that saves less can peak higher): a wider plateau plans
+more, and may find a lower plan further on."""
+BLOCKWISE_ERROR = 0.10
+"""How far above the limit the peak of torch's plan, its backward scheduled block by block, must
+be for the plan to be out of reach without its whole backward's schedule (Note [Torch's plan
+beyond reach]): lower schedules torch's plan whole less often, and may leave out one that fits."""
+NOTHING_TO_LOWER = 0.01
+"""A graph whose lowest plan keeps more than 1 - this of its peak above the gradients has nothing
+to recompute that lowers it: a budget leaves it as it is, without a warning."""
+
 
 @dataclass(frozen=True)
 class Graph:
@@ -184,7 +207,6 @@ def decisions(graph: Graph, solution: Solution, *, fused: bool = False) -> dict[
     return out
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One plan a budget offers: a per-node policy recomputing what its solution recomputes."""
@@ -275,11 +297,6 @@ class Candidates:
         return cls(joint.gm, hard_rules=hard_rules, grid=PLANNED_GRID if fused else BUDGET_GRID, solver=spec.solver,
                    node_limit=spec.node_limit, costs=spec.costs, fused=fused, bandwidth=bandwidth,
                    num_fwd_outputs=joint.num_fwd_outputs, device=joint.device)
-
-
-NOTHING_TO_LOWER = 0.01
-"""A graph whose lowest plan keeps more than 1 - this of its peak above the gradients has nothing
-to recompute that lowers it: a budget leaves it as it is, without a warning."""
 
 
 class Chooser:
@@ -602,11 +619,6 @@ def _cheapest_fitting(low: int, high: int, *, fits: Callable[[int], bool], saved
     return high
 
 
-NEAR = 0.05
-"""How near the limit a fitting candidate's peak must be for the one before it to be planned next
-(_cheapest_fitting)."""
-
-
 def _affordable(offered: Candidates, gm: torch.fx.GraphModule, bound: float) -> int:
     """How many candidates, from the first, could cost less than `bound` (torch's plan's cost):
     a candidate's partition recomputes at least what it decides, so what it decides prices it from
@@ -654,20 +666,6 @@ def _lowest_from_the_end(count: int, *, peak: Callable[[int], int], saved: Calla
                 best = i
         i -= 1
     return best
-
-
-LOWEST_SEARCH = 6
-"""Distinct plans _lowest_from_the_end partitions at most, each costing a partition and
-Inductor's schedule."""
-NEIGHBOUR = 0.05
-"""How much more a candidate must save than the last one _lowest_from_the_end planned to be planned."""
-PLATEAU = 0.01
-
-
-BLOCKWISE_ERROR = 0.10
-"""How far above the limit the peak of torch's plan, its backward scheduled block by block, must
-be for the plan to be out of reach without its whole backward's schedule (Note [Torch's plan
-beyond reach])."""
 
 
 def _within_reach(torch_plan: Planned, peak: int) -> bool:
