@@ -24,7 +24,7 @@ import operator
 
 import torch
 
-from passes.regions import forward_nodes
+from passes.graphs import forward_nodes
 
 TWIN_KEY = "ckpt_fx.batchnorm_twin"
 """On a twin and its output: the name of the BatchNorm node it stands beside."""

@@ -29,12 +29,13 @@ import torch
 
 from passes._compat import CheckpointPolicy, activation_memory_budget, offload_bandwidth
 from passes.costs import agreed_costs, graph_device, is_multi_output, is_view, measured_costs, recompute_cost, roofline_cost, BYTES_KEY
+from passes.graphs import forward_nodes
 from passes.memory import JointLiveness
 from passes.offload import offloadable
 from passes.plan import Choice, Estimate, Planned, Source
 from passes.planner import Joint, plan_policy, scheduled_whole
 from passes.policy import BudgetSpec
-from passes.regions import REGION_KEY, RegionKind, forward_nodes
+from passes.regions import REGION_KEY, RegionKind
 from passes.select import Reason
 from passes.sizes import format_size, size_literal
 from passes.solve import FRONT_SOLVES, Infeasible, Problem, Solution, pareto_front, parts_pay_off, save_all, smallest_budget, solve

@@ -21,7 +21,7 @@ import operator
 
 import torch
 
-from passes.regions import forward_nodes
+from passes.graphs import forward_nodes
 
 
 def dropout_pass(gm: torch.fx.GraphModule) -> int:

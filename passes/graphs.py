@@ -7,6 +7,8 @@ import types
 
 import torch
 
+from passes._compat import is_primal, is_tangent
+
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of a graph module's graph (node names kept, each node's meta copied one level deep),
@@ -24,3 +26,25 @@ def snapshot(gm: torch.fx.GraphModule) -> types.SimpleNamespace:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     return types.SimpleNamespace(graph=graph)
+
+
+def forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Nodes placed before the backward of a joint graph, tangents excluded (placement, not dataflow).
+
+    A graph without tangents (a plain forward graph) returns all its nodes but the output.
+    """
+    nodes = list(graph.nodes)
+    last = None
+    for node in nodes:
+        if node.meta.get("partitioner_tag") == "is_forward" or is_primal(node):
+            last = node
+    has_tangents = any(is_tangent(n) for n in nodes)
+    out = []
+    for node in nodes:
+        if node.op == "output":
+            break
+        if not is_tangent(node):
+            out.append(node)
+        if has_tangents and node is last:
+            break
+    return out

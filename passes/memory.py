@@ -356,7 +356,7 @@ class JointLiveness:
     def __init__(
         self, joint: torch.fx.GraphModule, *, num_fwd_outputs: int, static_input_indices: list[int] | None = None
     ):
-        from passes.regions import forward_nodes
+        from passes.graphs import forward_nodes
 
         nodes = list(joint.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}

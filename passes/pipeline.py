@@ -10,12 +10,13 @@ from passes import budget
 from passes.batchnorm import batchnorm_pass
 from passes.costs import costs_pass
 from passes.dropout import dropout_pass
+from passes.graphs import forward_nodes
 from passes.grouped_mm import grouped_mm_pass
 from passes.plan import GraphFacts, Plan, assemble
 from passes.planner import Joint, plan_policy
 from passes.policy import BudgetSpec, Policy, uses_blocks
 from passes._compat import CHECKPOINT_REGION_KEY
-from passes.regions import PATH_KEY, REGION_KEY, forward_nodes, regions_pass
+from passes.regions import PATH_KEY, REGION_KEY, regions_pass
 from passes.select import hard_rules
 from passes.steps import Dump, Steps
 from passes.targets import EAGER, Target

@@ -10,12 +10,13 @@ import torch
 
 from passes._compat import RECOMPUTE_KEY, torch_budget
 from passes.batchnorm import fold_twins
+from passes.graphs import forward_nodes
 from passes.memory import memory_pass
 from passes.offload import offload_pass
 from passes.partition import merges_joint, partition_pass, recomputes
 from passes.plan import Planned, Prediction
 from passes.policy import Policy
-from passes.regions import REGION_KEY, RegionKind, forward_nodes
+from passes.regions import REGION_KEY, RegionKind
 from passes.schedule import schedule_pass
 from passes.select import BY_POLICY, REASON_KEY, RECOMPUTE, select_pass
 from passes.steps import Steps

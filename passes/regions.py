@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from passes._compat import is_primal, is_tangent
 from passes.costs import is_view, tensor_bytes
+from passes.graphs import forward_nodes
 from passes.warn import warn_user
 
 REGION_KEY = "ckpt_fx.region"
@@ -195,28 +195,6 @@ def _is_embedding(cls: type | str) -> bool:
     if isinstance(cls, type):
         return issubclass(cls, torch.nn.Embedding) or cls.__name__.endswith("Embedding")
     return str(cls).rsplit(".", 1)[-1].rstrip("'>").endswith("Embedding")
-
-
-def forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """Nodes placed before the backward of a joint graph, tangents excluded (placement, not dataflow).
-
-    A graph without tangents (a plain forward graph) returns all its nodes but the output.
-    """
-    nodes = list(graph.nodes)
-    last = None
-    for node in nodes:
-        if node.meta.get("partitioner_tag") == "is_forward" or is_primal(node):
-            last = node
-    has_tangents = any(is_tangent(n) for n in nodes)
-    out = []
-    for node in nodes:
-        if node.op == "output":
-            break
-        if not is_tangent(node):
-            out.append(node)
-        if has_tangents and node is last:
-            break
-    return out
 
 
 Unit = tuple[str, int]  # (module path, call)

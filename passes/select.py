@@ -19,9 +19,10 @@ from passes._compat import (
     size_hint,
 )
 from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_bytes
+from passes.graphs import forward_nodes
 from passes.offload import OFFLOAD_KEY, offloadable
 from passes.policy import NodeInfo, Policy
-from passes.regions import PATH_KEY, REGION_KEY, WHOLE_UNIT_KEY, Region, RegionKind, forward_nodes
+from passes.regions import PATH_KEY, REGION_KEY, WHOLE_UNIT_KEY, Region, RegionKind
 
 REASON_KEY = "ckpt_fx.reason"
 CPU_RNG_STATE_BYTES = torch.get_rng_state().numel()  # a uint8 tensor: 5056 bytes

@@ -180,7 +180,7 @@ def _collective_worker(rank: int, port: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        from passes.regions import forward_nodes
+        from passes.graphs import forward_nodes
         from tests._models import Recorder
 
         torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 
 import ckpt_fx
 from passes._compat import has_inductor_partitioner_hook
-from passes.regions import forward_nodes
+from passes.graphs import forward_nodes
 from passes.targets import INDUCTOR
 from tests._models import Recorder, Spec, hand_built, inputs, make, train_step
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import ckpt_fx
 from ckpt_fx import CheckpointPolicy, policies
-from passes.regions import forward_nodes
 from passes._compat import PARTITIONER_KNOWS_SDPA_WITHOUT_DROPOUT
+from passes.graphs import forward_nodes
 from passes.select import hard_rule
 from tests._models import REQUIRES_CUDA, Recorder, Spec, bitwise_equal, close, inputs, make, train_step
 

@@ -10,7 +10,7 @@ import torch
 import ckpt_fx
 from ckpt_fx import CheckpointPolicy
 from passes._compat import RECOMPUTE_KEY
-from passes.regions import forward_nodes
+from passes.graphs import forward_nodes
 from passes.select import BY_POLICY, REASON_KEY, HardRule, Reason
 from tests._models import Recorder, Spec, bitwise_equal, hand_built, inputs, make, train_step
 
