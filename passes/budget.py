@@ -35,7 +35,7 @@ from passes.offload import offloadable
 from passes.plan import Choice, Estimate, Planned, Source
 from passes.planner import Joint, plan_policy, scheduled_whole
 from passes.policy import BudgetSpec
-from passes.regions import REGION_KEY, RegionKind
+from passes.regions import RegionKind, region_of
 from passes.select import Reason
 from passes.sizes import format_size, size_literal
 from passes.solve import FRONT_SOLVES, Infeasible, Problem, Solution, pareto_front, parts_pay_off, save_all, smallest_budget, solve
@@ -135,7 +135,7 @@ def build_problem(
         inputs.append(tuple(sorted({index[a] for a in node.all_input_nodes if a in index})))
         needed.append(any(u not in fwd_set and u.op != "output" for u in node.users))
         saveable.append(not view_or_tuple)
-        region = node.meta.get(REGION_KEY)
+        region = region_of(node)
         recomputable.append(node.name not in hard_rules and not (region is not None and region.kind == RegionKind.EMBEDDING))
         # Hard-ruled values are saved before any policy is asked (select_pass): not the plan's to move.
         movable.append(bandwidth is not None and not view_or_tuple and node.name not in hard_rules
@@ -158,7 +158,7 @@ def build_problem(
 
 
 def _block_of(node: torch.fx.Node) -> object | None:
-    region = node.meta.get(REGION_KEY)
+    region = region_of(node)
     return region.block if region is not None and region.kind == RegionKind.BLOCK else None
 
 

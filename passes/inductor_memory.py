@@ -16,7 +16,7 @@ from passes._compat import backward_lowering_config, blocks_kept_apart
 from passes.costs import tensor_bytes
 from passes.head import workspace_bytes
 from passes.graphs import copy_graph_module
-from passes.regions import REGION_KEY, recomputed_block, recomputed_whole
+from passes.regions import block_of, recomputed_block, recomputed_whole
 
 log = logging.getLogger("ckpt_fx")
 
@@ -331,7 +331,7 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
                     and key_of[n] in entry and key_of[n] not in pinned and key_of[n] not in out_keys)
 
     def own(node: torch.fx.Node) -> str | None:
-        block = getattr(node.meta.get(REGION_KEY), "block", None)
+        block = block_of(node)
         return block.name if block is not None else None
 
     def readers(node: torch.fx.Node) -> set[str]:

@@ -28,7 +28,7 @@ from passes.inductor_memory import scheduled_peaks
 from passes.liveness import just_in_time, walk
 from passes.offload import on_host
 from passes.plan import BlockPlan, Estimate, PeakModel, Prediction, SavedTensor
-from passes.regions import PATH_KEY, REGION_KEY
+from passes.regions import PATH_KEY, block_of, region_of
 from passes.targets import EAGER, Target
 
 # Note [What the predicted peak counts]
@@ -188,7 +188,7 @@ def memory_pass(
         if not isinstance(value, torch.Tensor):
             continue
         source = copied.get(node.name, node)
-        region = source.meta.get(REGION_KEY)
+        region = region_of(source)
         saved.append(
             SavedTensor(
                 name=source.name,
@@ -256,14 +256,14 @@ def memory_pass(
             else:
                 tally.saved_bytes += s.nbytes
     for node in fw.graph.nodes:
-        region = node.meta.get(REGION_KEY)
+        region = region_of(node)
         if node.op == "call_function" and region is not None and region.block is not None:
             per_block.setdefault(region.block.name, _BlockTally()).forward_flops += _flops(node)
     flops = 0
     for node in recomputed:
         f = _flops(node)
         flops += f
-        region = node.meta.get(REGION_KEY)
+        region = region_of(node)
         if region is not None and region.block is not None:
             tally = per_block.setdefault(region.block.name, _BlockTally())
             tally.recomputed_ops += 1
@@ -314,10 +314,10 @@ def _held_outputs(outputs: list[torch.fx.Node], checkpointed: set[str], sizes: d
     held: dict[torch.fx.Node, tuple[str, int]] = {}
     for node in outputs:
         base = storage_of(node)
-        region = base.meta.get(REGION_KEY)
+        region = region_of(base)
         if region is None or region.block is None or region.block.name not in checkpointed or base in held:
             continue
-        inside = [u for u in base.users if u.op != "output" and getattr(u.meta.get(REGION_KEY), "block", None) == region.block]
+        inside = [u for u in base.users if u.op != "output" and block_of(u) == region.block]
         if inside and any(not is_view(u) or u not in outputs for u in inside):
             held[base] = (base.meta.get(PATH_KEY, region.block.path), tensor_bytes(base.meta.get("val"), sizes))
     return tuple(held.values())

@@ -13,7 +13,7 @@ from passes._compat import (
     insert_offloads,
 )
 from passes.costs import is_view
-from passes.regions import REGION_KEY
+from passes.regions import region_of
 
 OFFLOAD_KEY = "ckpt_fx.offload"
 """On a joint graph's forward node: the plan keeps its value in host memory (select_pass)."""
@@ -95,7 +95,7 @@ def on_host(node: torch.fx.Node) -> bool:
 
 
 def _unit(node: torch.fx.Node) -> int:
-    region = node.meta.get(REGION_KEY)
+    region = region_of(node)
     block = getattr(region, "block", None)
     return block.number if block is not None else -1
 

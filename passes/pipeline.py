@@ -16,7 +16,7 @@ from passes.plan import GraphFacts, Plan, assemble
 from passes.planner import Joint, plan_policy
 from passes.policy import BudgetSpec, Policy, uses_blocks
 from passes._compat import CHECKPOINT_REGION_KEY
-from passes.regions import PATH_KEY, REGION_KEY, regions_pass
+from passes.regions import PATH_KEY, block_of, regions_pass
 from passes.select import hard_rules
 from passes.steps import Dump, Steps
 from passes.targets import EAGER, Target
@@ -59,8 +59,8 @@ def run(
         module_paths=tuple(sorted({n.meta[PATH_KEY] for n in joint.graph.nodes if n.meta.get(PATH_KEY)})),
         top_level_units=region_map.top_level_units,
         checkpointed_by_model=tuple(dict.fromkeys(  # before select_pass replaces the model's own tags
-            n.meta[REGION_KEY].block.name for n in forward_nodes(joint.graph)
-            if CHECKPOINT_REGION_KEY in n.meta and getattr(n.meta.get(REGION_KEY), "block", None) is not None)),
+            block_of(n).name for n in forward_nodes(joint.graph)
+            if CHECKPOINT_REGION_KEY in n.meta and block_of(n) is not None)),
     )
     prepared = Joint(gm=joint, inputs=joint_inputs, num_fwd_outputs=num_fwd_outputs,
                      static_lifetime_input_indices=static_lifetime_input_indices, target=target,

@@ -16,7 +16,7 @@ from passes.offload import offload_pass
 from passes.partition import merges_joint, partition_pass, recomputes
 from passes.plan import Planned, Prediction
 from passes.policy import Policy
-from passes.regions import REGION_KEY, RegionKind
+from passes.regions import RegionKind, region_of
 from passes.schedule import schedule_pass
 from passes.select import BY_POLICY, REASON_KEY, RECOMPUTE, select_pass
 from passes.steps import Steps
@@ -59,7 +59,7 @@ def plan_policy(joint: Joint, policy: Policy, *, by_block: bool | None = None) -
     embedding_asked = sum(
         1 for n in forward_nodes(gm.graph)
         if n.meta.get(REASON_KEY) == BY_POLICY and n.meta.get(RECOMPUTE_KEY) in RECOMPUTE
-        and getattr(n.meta.get(REGION_KEY), "kind", None) == RegionKind.EMBEDDING
+        and getattr(region_of(n), "kind", None) == RegionKind.EMBEDDING
     )
     asked = recomputes(gm) or torch_budget() < 1.0
     merged = merges_joint(gm, target=joint.target)

@@ -414,6 +414,17 @@ def _touches_embedding(node: torch.fx.Node, stack: list[tuple[str, type | str]])
     return bool(stack) and _is_embedding(stack[-1][1])
 
 
+def region_of(node: torch.fx.Node) -> Region | None:
+    """The region regions_pass gave a node (None: a node it did not see, such as a backward's own)."""
+    return node.meta.get(REGION_KEY)
+
+
+def block_of(node: torch.fx.Node) -> Block | None:
+    """The unit a node belongs to (None: outside every unit, or a node regions_pass did not see)."""
+    region = region_of(node)
+    return region.block if region is not None else None
+
+
 def recomputed_block(node: torch.fx.Node) -> str | None:
     """The name of the block a node of a backward recomputes (None: the node is no recomputation
     the policy asked for, or belongs to no block)."""
@@ -421,7 +432,7 @@ def recomputed_block(node: torch.fx.Node) -> str | None:
 
     if node.meta.get(RECOMPUTE_KEY) not in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
         return None
-    block = getattr(node.meta.get(REGION_KEY), "block", None)
+    block = block_of(node)
     return block.name if block is not None else None
 
 

@@ -22,7 +22,7 @@ from passes.costs import BYTES_KEY, FLOPS_KEY, is_multi_output, is_view, tensor_
 from passes.graphs import forward_nodes
 from passes.offload import OFFLOAD_KEY, offloadable
 from passes.policy import NodeInfo, Policy
-from passes.regions import PATH_KEY, REGION_KEY, WHOLE_UNIT_KEY, Region, RegionKind
+from passes.regions import PATH_KEY, WHOLE_UNIT_KEY, Region, RegionKind, region_of
 
 REASON_KEY = "ckpt_fx.reason"
 CPU_RNG_STATE_BYTES = torch.get_rng_state().numel()  # a uint8 tensor: 5056 bytes
@@ -131,11 +131,11 @@ def replayable(node: torch.fx.Node) -> bool:
 
 
 def _info(node: torch.fx.Node, fwd: set[torch.fx.Node]) -> NodeInfo:
-    region: Region = node.meta.get(REGION_KEY) or Region(kind=RegionKind.OTHER)
+    region: Region = region_of(node) or Region(kind=RegionKind.OTHER)
     users = []
     for user in node.users:
         if user.op == "output" or user in fwd:
-            r = user.meta.get(REGION_KEY)
+            r = region_of(user)
             users.append(r.block if r is not None else None)
     value = node.meta.get("val")
     tensor = isinstance(value, torch.Tensor)
