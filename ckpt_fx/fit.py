@@ -39,6 +39,7 @@ import functools
 import sys
 import warnings
 import dataclasses
+import math
 import fnmatch
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -343,9 +344,7 @@ def fit(
         raise ValueError(f"shard: expected one of {', '.join(SHARDS)}, got {shard!r}")
     four_bit = isinstance(dtype, str) and dtype.strip().lower() == NF4
     cast = None if four_bit else _dtype(dtype)
-    parsed = [p if _at_the_cap(p) else policy_forms.parse(p) for p in policies]
-    if not parsed:
-        raise ValueError("policies: give at least one policy, e.g. ('none', 'blocks')")
+    parsed = parse_policies(policies)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     if not isinstance(model, torch.nn.Module):
         if not callable(model):
@@ -442,6 +441,16 @@ def fit(
                        planned_from=traced[0].blocks,
                        planned_whole_for=whole_for)
     return report.for_memory(limit)
+
+
+def parse_policies(policies: Sequence[object]) -> list[object]:
+    """The policies fit plans, each read as `enable` reads it ("budget:fit" forms kept as written);
+    a ValueError names the first that is none (`fit --policies` checks them before building the
+    model)."""
+    parsed = [p if _at_the_cap(p) else policy_forms.parse(p) for p in policies]
+    if not parsed:
+        raise ValueError("policies: give at least one policy, e.g. ('none', 'blocks')")
+    return parsed
 
 
 def _at_the_cap(policy: object) -> bool:
@@ -1045,35 +1054,40 @@ def _batch_symbols(plans: list[Plan], batch: int) -> dict[int, tuple[str, ...]]:
 
 def _largest(peak_at: Callable[[int], int], limit: int, batch: int, *, dynamic: bool) -> int:
     """The largest batch b >= 1 with peak_at(b) <= limit, 0 if none (peaks grow with the batch).
-    The first guess is where the line through the peaks at 1 and at the traced batch crosses the
-    limit (a step's peak is close to affine in the batch), then steps out from it, doubling, until
-    the answer is bracketed, and bisects: a few evaluations where a bisection from 1 takes a dozen."""
+    Until a batch too large is found, each probe is where the line through the two largest that
+    fit crosses the limit (a step's peak is close to affine in the batch); then it is where the
+    line through the bracket's ends does, the end kept twice in a row weighted down (the Illinois
+    rule: the sequence's peaks, convex in it, would move one end only). A handful of evaluations,
+    each a walk over the step's graphs, where stepping out from a first guess takes two dozen."""
     if not dynamic:
         return batch if peak_at(batch) <= limit else 0
-    if peak_at(1) > limit:
+    fits: dict[int, float] = {}  # batch -> its peak less the limit (<= 0)
+    low, over = 0, 0.0
+    high, under = MAX_BATCH + 1, 0.0  # the smallest batch known not to fit (past MAX_BATCH: none yet)
+    kept = 0  # the end the last probe kept (1: high, -1: low); kept twice running, its excess is halved
+
+    def probe(b: int) -> None:
+        nonlocal low, high, over, under, kept
+        excess = peak_at(b) - limit
+        if excess <= 0:
+            fits[b], low, over = excess, b, excess
+            under, kept = (under / 2, 1) if kept == 1 else (under, 1)
+        else:
+            high, under = b, excess
+            over, kept = (over / 2, -1) if kept == -1 else (over, -1)
+
+    probe(1)
+    if low == 0:
         return 0
-    slope = max(1.0, (peak_at(batch) - peak_at(1)) / max(1, batch - 1))
-    guess = int(min(MAX_BATCH, max(1, 1 + (limit - peak_at(1)) // slope)))
-    step = 1
-    if peak_at(guess) <= limit:
-        low = guess
-        while True:
-            high = low + step
-            if high > MAX_BATCH:
-                return low
-            if peak_at(high) > limit:
-                break
-            low, step = high, 2 * step
-    else:
-        high, low = guess, 1
-        while high - step > 1:
-            if peak_at(high - step) <= limit:
-                low = high - step
-                break
-            high, step = high - step, 2 * step
+    if 1 < batch <= MAX_BATCH:
+        probe(batch)
     while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if peak_at(middle) <= limit else (low, middle)
+        if high > MAX_BATCH:
+            (b0, e0), (b1, e1) = sorted(fits.items())[-2:] if len(fits) > 1 else ((0, -limit), (low, over))
+            guess = MAX_BATCH if e1 <= e0 else b1 + math.floor(-e1 * (b1 - b0) / (e1 - e0))
+        else:
+            guess = low + math.floor(-over * (high - low) / (under - over))
+        probe(min(max(guess, low + 1), high - 1))
     return low
 
 

@@ -205,6 +205,29 @@ def test_largest_batch_is_where_the_peak_crosses_the_memory():
     assert report.for_memory(4 * peak).rows[0].max_batch > 4
 
 
+@pytest.mark.parametrize("peak", [
+    lambda b: 1000 + 37 * b,  # a batch: affine
+    lambda b: 5000 + 20 * b + b * b // 3,  # a sequence under attention that stores its scores: convex
+    lambda b: 1000 + 512 * ((b + 63) // 64),  # allocations rounded up to blocks
+    lambda b: 1000 + (3 * b if b < 500 else 1500 + 50 * (b - 500)),  # a peak moving to another phase
+    lambda b: 100,  # nothing grows with it
+], ids=["affine", "convex", "steps", "kink", "flat"])
+def test_the_largest_batch_search_finds_the_crossing_in_a_few_walks(peak):
+    """_largest returns exactly the largest b with peak(b) <= limit (a bisection over every b says
+    which), from any traced batch, in few evaluations: 4 where the peak is affine."""
+    from ckpt_fx.fit import MAX_BATCH, _largest
+
+    for limit in (50, 1037, 1074, 5000, 10**5, 3 * 10**6, 10**13):
+        low, high = 0, MAX_BATCH + 1
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if peak(middle) <= limit else (low, middle)
+        for traced in (1, 2, 128, 4000):
+            calls = []
+            assert _largest(lambda b: calls.append(b) or peak(b), limit, traced, dynamic=True) == low, (limit, traced)
+            assert len(calls) <= (4 if peak(2) - peak(1) == 37 else 14), (limit, traced, calls)
+
+
 def test_the_plan_at_another_batch_equals_a_trace_at_that_batch():
     model, ids = tiny_llama()
     four = fit(model, ids, ids, policies=("blocks",), device="cpu")
@@ -351,12 +374,16 @@ def test_a_bad_config_is_named_in_one_line(tmp_path, capsys):
         (str(tmp_path / "other.json"), [], "transformers cannot read it as a model config"),
         (str(path), ["--config", "no_such_key=1"], "has no attribute 'no_such_key'"),
         (str(path), ["--seq", "512"], "longer than the config's max_position_embeddings (256)"),
+        # checked before the model is built: a misspelt policy or LoRA option, whatever the model
+        (str(tmp_path / "missing.json"), ["--policies", "blocks;sqr"], "unknown policy 'sqr' (did you mean 'sqrt'?)"),
+        (str(tmp_path / "missing.json"), ["--lora", "r=x"], "--lora: r must be a whole number"),
     ]:
         with pytest.raises(SystemExit) as stopped:
             main(["fit", "--model", model, "--batch", "2", *extra])
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if "error" in line]
         assert stopped.value.code == 2 and len(errors) == 1 and message in errors[0], err
+        assert ("building the model" in err) is (model != str(tmp_path / "missing.json") or not extra), err
 
 
 def test_the_longest_sequence_is_where_the_peak_crosses_the_memory(tmp_path, capsys):
