@@ -228,13 +228,15 @@ def fit(args: argparse.Namespace) -> int:
     import ckpt_fx.fit as f
 
     memory = [f.parse_memory(m) for m in args.memory.split(",")]
+    policies = [p.strip() for p in args.policies.split(";") if p.strip()]
+    f.parse_policies(policies)  # a misspelt policy or LoRA option is told before the model is built
+    lora = f.parse_lora(args.lora) if args.lora else None
     _progress("building the model on the meta device (nothing allocated)")
     with torch.device("meta"):
         workload = _workload(args)
         model = workload.model
-        if args.lora:
-            model = f.with_lora(model, **f.parse_lora(args.lora))
-    policies = [p.strip() for p in args.policies.split(";") if p.strip()]
+        if lora is not None:
+            model = f.with_lora(model, **lora)
     start = time.perf_counter()
     _progress(f"planning {workload.name}: {len(policies)} policies, traced together")
     report = f.fit(model, *workload.args, memory=memory, policies=policies, optimizer=args.optimizer,
