@@ -274,10 +274,9 @@ def _units(module: torch.nn.Module, flagged: list[str]) -> tuple[str, ...]:
         return tuple(layers)
     found = []
     for parent in flagged:
-        for name, child in module.get_submodule(parent).named_modules(prefix=parent):
-            children = dict(child.named_children())
-            if len(children) > 1 and all(k.isdigit() for k in children):
-                found.extend(f"{name}.{k}" if name else k for k in children)
+        for stack in block_stacks(module.get_submodule(parent)):
+            path = ".".join(p for p in (parent, stack) if p)
+            found.extend(f"{path}.{k}" if path else k for k, _ in module.get_submodule(path).named_children())
     return tuple(dict.fromkeys(found))
 
 

@@ -40,9 +40,6 @@ class Target:
         split = min_cut_partition if self.fuses else default_partition
         return split(joint, joint_inputs, **kwargs)
 
-    def __str__(self) -> str:
-        return self.name
-
 
 EAGER = Target("eager", fuses=False, own_partition="AOTAutograd's default partition")
 INDUCTOR = Target("inductor", fuses=True, own_partition="Inductor's own partition")

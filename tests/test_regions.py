@@ -216,3 +216,31 @@ def test_a_model_with_no_blocks_and_no_submodules_is_told_its_policy_recomputes_
     (message,) = said("blocks")
     assert "recomputes nothing here" in message and "Policy 'graph' or a budget" in message
     assert said("graph") == []
+
+
+def test_a_models_own_switch_checkpoints_its_flagged_layers_or_its_flagged_parents_stacks():
+    """enable reads which units a model's own checkpointing covered: the flagged layers (Hugging
+    Face's GradientCheckpointingLayer), or where only a parent is flagged (older models' loops),
+    the layers of the stacks under it, found as block_stacks finds them; the flags are back after."""
+    from ckpt_fx.in_place import _own_checkpointing_off
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(2, 2)
+            self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+            self.heads = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])  # two classes: no stack
+
+    model = nn.ModuleDict({"decoder": Decoder(), "head": nn.Linear(2, 2)})
+    model["decoder"].gradient_checkpointing = True
+    with _own_checkpointing_off(model) as units:
+        assert units == ("decoder.layers.0", "decoder.layers.1", "decoder.layers.2")
+        assert model["decoder"].gradient_checkpointing is False
+    assert model["decoder"].gradient_checkpointing is True
+    del model["decoder"].gradient_checkpointing
+    for layer in model["decoder"].layers[:2]:
+        layer.gradient_checkpointing = True
+    with _own_checkpointing_off(model) as units:
+        assert units == ("decoder.layers.0", "decoder.layers.1")
+    with _own_checkpointing_off(model["decoder"].layers) as units:
+        assert units == ("0", "1")
