@@ -5,6 +5,7 @@ inner compiler fuses."""
 from __future__ import annotations
 
 import fnmatch
+import functools
 import operator
 import time
 from collections.abc import Callable
@@ -31,7 +32,14 @@ def is_view(node: torch.fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
-    return any(ret.alias_info is not None for ret in op_schema(target).returns)
+    return _returns_an_alias(target)
+
+
+@functools.cache
+def _returns_an_alias(op: OpOverload) -> bool:
+    """Whether an op's schema marks a returned value as aliasing an input. Cached: the passes ask it
+    of every node, many times per plan, and reading a schema's returns builds them anew."""
+    return any(ret.alias_info is not None for ret in op_schema(op).returns)
 
 
 def is_multi_output(node: torch.fx.Node) -> bool:
