@@ -258,8 +258,8 @@ class CkptBackend:
             if self.checkpointed_by_model and not plan.checkpointed_by_model:
                 # The graph's units inside a module the model checkpointed (a Swin stage holds blocks).
                 inside = lambda path: any(path == u or path.startswith(u + ".") for u in self.checkpointed_by_model)  # noqa: E731
-                plan = replace(plan, checkpointed_by_model=tuple(
-                    unit.name for unit in plan.units if inside(unit.path)))
+                plan = replace(plan, facts=replace(plan.facts, checkpointed_by_model=tuple(
+                    unit.name for unit in plan.units if inside(unit.path))))
             plan = replace(plan, heads=tuple(self.head_report.heads), head_reasons=tuple(self.head_report.reasons))
             self.plans.append(plan)
             self._warn_if_unmatched(plan, name)
@@ -549,7 +549,7 @@ def _store_plan(record: pathlib.Path | None, plan: Plan) -> None:
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         part = record.with_suffix(f".{os.getpid()}.part")
-        part.write_bytes(pickle.dumps(replace(plan, _at=None)))
+        part.write_bytes(pickle.dumps(replace(plan, prediction=replace(plan.prediction, at=None))))
         part.replace(record)
     except Exception as error:  # noqa: BLE001 - the plan runs; only its record for a later process is lost
         log.info("ckpt_fx: could not record the plan beside Inductor's cache (%s: %s)", type(error).__name__, error)

@@ -203,63 +203,29 @@ class GraphFacts:
     gradient checkpointing): the plan replaces that checkpointing."""
 
 
-_PREDICTED = tuple(f.name for f in dataclasses.fields(Prediction) if f.name != "at")
-
-
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """What one compiled graph saves, recomputes and offloads, and the device memory it is
-    predicted to need."""
+    predicted to need: the memory pass's Prediction, the regions pass's GraphFacts and what the
+    backend adds, each held once; the figures read through (plan.saved_bytes is
+    plan.prediction.saved_bytes)."""
 
     policy: str
-    saved: tuple[SavedTensor, ...]
-    recomputed: tuple[str, ...]
-    """Names of the forward nodes the backward recomputes, in backward order."""
-    blocks: tuple[BlockPlan, ...]
-    saved_bytes: int
-    """Bytes of saved activations kept on the device (inputs, parameters and offloaded values
-    excluded)."""
-    recompute_flops: int
-    forward_peak_bytes: int
-    backward_peak_bytes: int
-    peak_model: PeakModel = PeakModel.WALK
-    """How the peaks were predicted (PeakModel)."""
+    prediction: Prediction
+    """What the memory pass predicts of the graphs handed back (its `at` predicts other sizes)."""
+    facts: GraphFacts = field(default_factory=GraphFacts)
+    """What the regions pass found: units, module paths, the model's own checkpointing."""
     joint_cse: bool | None = None
     """Under min-cut, whether it merged identical nodes of the joint graph first (Note [CSE under
     recompute] in passes/partition.py); None under the default partition."""
-    forward_end_bytes: int = 0
-    """Bytes the forward leaves allocated: saved activations and outputs."""
-    gradient_bytes: int = 0
-    """Bytes of the parameter gradients the backward returns (they outlive the step)."""
-    step_flops: int = 0
-    """FLOPs of the graph's forward and backward, recomputation excluded."""
     hard_rules: dict[str, HardRule] = field(default_factory=dict)
     """Nodes no policy may recompute, with why (random, mutation, ...: equal to those strings)."""
-    top_level_units: bool = False
-    units: tuple[Block, ...] = ()
-    """The graph's units in forward order (passes.regions): path, stack, calls, heavy, ..."""
-    module_paths: tuple[str, ...] = ()
-    """Every module path the graph's nodes came from, sorted."""
     recomputed_embedding_ops: int = 0
     """Embedding ops the policy asked to recompute: it saves nothing (the embedding's output is
     the next unit's input, kept anyway)."""
-    checkpointed_by_model: tuple[str, ...] = ()
-    """Units the model checkpointed itself (torch.utils.checkpoint regions, e.g. Hugging Face's
-    gradient checkpointing), which this plan replaces."""
     budget: Choice | None = None
     """What a memory budget chose for this graph (the candidate's peak, the limit, where the plan
     came from, the budget it reaches when none fits); None for other policies."""
-    held_outputs: tuple[tuple[str, int], ...] = ()
-    """(module path, bytes) of the values the graph returns from inside checkpointed units (a
-    KV cache): they stay alive from the forward to the backward whatever the policy."""
-    offloaded: tuple[str, ...] = ()
-    """Names of the saved values kept in host memory between the forward and the backward, in
-    forward order (Note [Offload] in passes/offload.py)."""
-    offloaded_bytes: int = 0
-    """Host bytes they take: what leaves the device (peak_bytes is the device's)."""
-    symbols: dict[str, int] = field(default_factory=dict)
-    """Symbolic sizes of the graph's inputs (dynamic shapes): name -> the hint the figures above
-    were made with. `at(...)` gives the plan's figures at other sizes."""
     heads: tuple[Head, ...] = ()
     """Loss heads run in chunks (Note [The loss head in chunks] in passes/head.py)."""
     head_reasons: tuple[str, ...] = ()
@@ -268,12 +234,33 @@ class Plan:
     """Recorded when the graph was compiled in an earlier process and read back as Inductor's cache
     served that graph (Note [Plans of cached graphs] in ckpt_fx/dynamo_backend.py): its figures
     hold at the sizes it was made for; `at` needs the graph planned again."""
-    _at: Callable[[dict[str, int]], Prediction] | None = field(default=None, compare=False, repr=False)
+
+    # The prediction's figures (documented on Prediction) and the regions pass's facts (on
+    # GraphFacts), read through.
+    saved = property(lambda self: self.prediction.saved)
+    recomputed = property(lambda self: self.prediction.recomputed)
+    blocks = property(lambda self: self.prediction.blocks)
+    saved_bytes = property(lambda self: self.prediction.saved_bytes)
+    recompute_flops = property(lambda self: self.prediction.recompute_flops)
+    forward_peak_bytes = property(lambda self: self.prediction.forward_peak_bytes)
+    backward_peak_bytes = property(lambda self: self.prediction.backward_peak_bytes)
+    peak_model = property(lambda self: self.prediction.peak_model)
+    forward_end_bytes = property(lambda self: self.prediction.forward_end_bytes)
+    gradient_bytes = property(lambda self: self.prediction.gradient_bytes)
+    step_flops = property(lambda self: self.prediction.step_flops)
+    held_outputs = property(lambda self: self.prediction.held_outputs)
+    offloaded = property(lambda self: self.prediction.offloaded)
+    offloaded_bytes = property(lambda self: self.prediction.offloaded_bytes)
+    symbols = property(lambda self: self.prediction.symbols)
+    units = property(lambda self: self.facts.units)
+    module_paths = property(lambda self: self.facts.module_paths)
+    top_level_units = property(lambda self: self.facts.top_level_units)
+    checkpointed_by_model = property(lambda self: self.facts.checkpointed_by_model)
 
     @property
     def peak_bytes(self) -> int:
         """Predicted device peak of a training step (Note [What the predicted peak counts])."""
-        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+        return self.prediction.peak_bytes
 
     def at(self, *, gradient_shards: int = 1, **sizes: int) -> Plan:
         """The same plan's figures (saved bytes, peaks) with symbolic sizes set, e.g.
@@ -289,34 +276,24 @@ class Plan:
             raise ValueError("Plan.at: this plan was read back with a graph Inductor's cache served, and holds its "
                              f"figures at {self.symbols} only; to predict other sizes, plan the graph again "
                              "(TORCHINDUCTOR_AUTOGRAD_CACHE=0, or ckpt_fx.fit / explain)")
-        if gradient_shards != 1 and self._at is None:
+        at = self.prediction.at
+        if gradient_shards != 1 and at is None:
             raise ValueError("Plan.at: gradient_shards needs a plan traced with symbolic sizes (fit marks the batch "
                              "dynamic)")
-        if (not sizes and gradient_shards == 1) or self._at is None:
+        if (not sizes and gradient_shards == 1) or at is None:
             return self
         values = {k: int(v) for k, v in sizes.items()}
-        prediction = self._at(values, gradient_shards=gradient_shards) if gradient_shards != 1 else self._at(values)
-        return dataclasses.replace(self, **{name: getattr(prediction, name) for name in _PREDICTED})
+        prediction = at(values, gradient_shards=gradient_shards) if gradient_shards != 1 else at(values)
+        # The figures at these sizes; `at` stays the one that predicts from the traced graph.
+        return dataclasses.replace(self, prediction=dataclasses.replace(prediction, at=at))
 
 
 def assemble(planned: Planned, *, policy: str, facts: GraphFacts, hard_rules: dict[str, HardRule],
              choice: Choice | None = None) -> Plan:
     """The Plan of one compiled graph: the memory pass's prediction of the graphs handed back, what
     the regions pass found, the hard rules, and a budget's choice. The only place a Plan is made."""
-    prediction = planned.prediction
-    return Plan(
-        policy=policy,
-        **{name: getattr(prediction, name) for name in _PREDICTED},
-        joint_cse=planned.joint_cse,
-        recomputed_embedding_ops=planned.recomputed_embedding_ops,
-        hard_rules=dict(hard_rules),
-        units=facts.units,
-        module_paths=facts.module_paths,
-        top_level_units=facts.top_level_units,
-        checkpointed_by_model=facts.checkpointed_by_model,
-        budget=choice,
-        _at=prediction.at,
-    )
+    return Plan(policy=policy, prediction=planned.prediction, facts=facts, joint_cse=planned.joint_cse,
+                hard_rules=dict(hard_rules), recomputed_embedding_ops=planned.recomputed_embedding_ops, budget=choice)
 
 
 def step_peak_bytes(plans: list[Plan] | tuple[Plan, ...]) -> int:
