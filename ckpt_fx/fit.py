@@ -1056,10 +1056,10 @@ def _largest(peak_at: Callable[[int], int], limit: int, batch: int, *, dynamic: 
     """The largest batch b >= 1 with peak_at(b) <= limit, 0 if none (peaks grow with the batch).
     Until a batch too large is found, each probe is where the line through the two largest that
     fit (or through a zero peak at 0 and the one) crosses the limit (a step's peak is close to
-    affine in the batch); then it is where the
-    line through the bracket's ends does, the end kept twice in a row weighted down (the Illinois
-    rule: the sequence's peaks, convex in it, would move one end only). Each evaluation is a walk
-    over the step's graphs, so the search asks for as few as the peaks' shape allows."""
+    affine in the batch); then it is where the line through the bracket's ends does, the end kept
+    twice in a row weighted down (the Illinois rule: the sequence's peaks, convex in it, would
+    move one end only). Each evaluation is a walk over the step's graphs, so the search asks for
+    as few as the peaks' shape allows."""
     if not dynamic:
         return batch if peak_at(batch) <= limit else 0
     fits: dict[int, float] = {}  # batch -> its peak less the limit (<= 0)
