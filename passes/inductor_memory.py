@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -48,13 +49,26 @@ log = logging.getLogger("ckpt_fx")
 # guess stands, and Plan.peak_model says so.
 
 
+@dataclass(slots=True)
+class Storage:
+    """One storage a graph allocates under Inductor's schedule. `last` grows while the schedule is
+    read (a later buffer written into it, or handed it once freed, lengthens its life)."""
+
+    first: int
+    """The step that allocates it."""
+    last: int | None
+    """The last step it lives through; None when the graph returns it."""
+    nbytes: int
+    kind: str | None = None
+    """Its reuse key: a later buffer of this key may be handed it once freed (None: none may)."""
+
+
 class Schedule(NamedTuple):
     """How Inductor runs a graph and holds its memory (inductor_schedule's answer)."""
 
     steps: int
-    storages: list[tuple[int, int | None, int]]
-    """Each storage the graph allocates: (the step that allocates it, the last step it lives
-    through or None when the graph returns it, bytes)."""
+    storages: list[Storage]
+    """Each storage the graph allocates."""
     input_end: dict[str, int | None]
     """Per graph input read (by name): the last step it lives through."""
     returned: list[int | str | None]
@@ -68,9 +82,9 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
     scheduler (what it fuses, the order it picks) and its code generator's rules for buffers (what
     it writes in place, which freed buffer it hands to a later one); nothing is compiled.
 
-    Returns a Schedule (steps, storages, input_end, returned, strides): each storage the graph allocates as (step that
-    allocates it, last step it lives through or None when the graph returns it, bytes): a buffer
-    written into another's storage, or given a freed one, lengthens that one's life instead of
+    Returns a Schedule: each storage the graph allocates (the step that allocates it, the last step
+    it lives through or None when the graph returns it, bytes, reuse key): a buffer written into
+    another's storage, or given a freed one, lengthens that one's life instead of
     allocating; for each graph input read, the last step it lives through (a donated input whose
     storage a buffer takes over lives as long as that buffer; None when the graph returns it); and
     for each of the graph's outputs, the storage it returns (an index, an input's name, or None)
@@ -81,16 +95,6 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
     `donated`: the backward's placeholders (by position) holding saved values it may reuse, as
     AOTAutograd computes them once the partition is made (functorch's donated_buffer). `gm` is
     lowered as it is: pass a copy."""
-    steps, storages, input_end, returned, _, strides = _schedule(gm, is_backward=is_backward, donated=donated)
-    return Schedule(steps, storages, input_end, returned, strides)
-
-
-def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int, ...] = ()) -> tuple[
-        int, list[tuple[int, int | None, int]], dict[str, int | None], list[int | str | None], list[str | None],
-        list[tuple[int, ...] | None]]:
-    """inductor_schedule's answer; for each of the graph's outputs whose storage it is (a
-    storage's index, an input's name, or None); each storage's reuse key (None: not reusable); and
-    each output's stride as Inductor lays it out (None: unknown)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import detect_fake_mode
@@ -138,8 +142,7 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
                 size = sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf.node), fallback=0)
                 return int(size) * get_dtype_size(buf.node.get_dtype())
 
-            storages: list[list[int | None]] = []  # [first step, last step, bytes]
-            kinds: list[str | None] = []  # each storage's reuse key: a later graph's buffer of that key may take it
+            storages: list[Storage] = []
             owner: dict[str, int | str] = {}  # buffer -> its storage (an index, or a donated input's name)
             input_end: dict[str, int | None] = {}
             pool: dict[object, list[tuple[int, str]]] = {}  # freed buffers a later one of its size may take
@@ -149,11 +152,11 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
             def end(name: str, step: int | None) -> None:
                 """`name`'s storage lives through `step` at least (None: to the graph's end)."""
                 where = owner.get(name, name)
-                ends = storages[where] if isinstance(where, int) else None
-                last = ends[1] if ends is not None else input_end.get(where, -1)
+                storage = storages[where] if isinstance(where, int) else None
+                last = storage.last if storage is not None else input_end.get(where, -1)
                 last = None if step is None or last is None else max(last, step)
-                if ends is not None:
-                    ends[1] = last
+                if storage is not None:
+                    storage.last = last
                 else:
                     input_end[where] = last
 
@@ -196,8 +199,9 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
                         return
                     freed.append((free_step, old))
                 owner[name] = len(storages)
-                storages.append([group if grouped else step, step, int(buf.mpi_buffer.size_alloc)])
-                kinds.append(None if key is None or not inductor_config.allow_buffer_reuse else repr(key))
+                reusable = key is not None and inductor_config.allow_buffer_reuse
+                storages.append(Storage(group if grouped else step, step, int(buf.mpi_buffer.size_alloc),
+                                        repr(key) if reusable else None))
 
             for step, node in enumerate(nodes):
                 extern = node.is_extern()
@@ -223,16 +227,14 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
                         # A chunked loss head's temporaries, while it runs (passes/head.py).
                         workspace = max((workspace_bytes(o) for o in buf.node.origins), default=0)
                         if workspace:
-                            storages.append([step, step, workspace])
-                            kinds.append(None)
+                            storages.append(Storage(step, step, workspace))
                         continue
                     if isinstance(buf.node, MultiOutput) and buf.mpi_buffer.size_free:
                         # An element of the tuple an extern kernel (a custom op, a fallback)
                         # returned: allocated by that kernel, alive as long as it is read.
                         owner[name] = len(storages)
                         made = next((packed[i.get_name()] for i in buf.node.inputs if i.get_name() in packed), step)
-                        storages.append([made, step, int(buf.mpi_buffer.size_free)])
-                        kinds.append(None)
+                        storages.append(Storage(made, step, int(buf.mpi_buffer.size_free)))
                         continue
                     if name in owner:
                         continue  # its storage was allocated for a view written into it first
@@ -270,7 +272,7 @@ def _schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: tuple[int
                     strides.append(tuple(int(V.graph.sizevars.optimization_hint(d, fallback=1)) for d in out.get_stride()))
                 except Exception:  # noqa: BLE001 - no tensor, or no fixed layout: its stride is the graph's
                     strides.append(None)
-            return len(nodes), [tuple(s) for s in storages], input_end, returned, kinds, strides
+            return Schedule(len(nodes), storages, input_end, returned, strides)
 
 
 def _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode, can_match_buffer_size) -> dict[str, str]:
@@ -381,7 +383,7 @@ def scheduled_peaks(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, *, entry
     # 52.2). A segment reading such an input returns it too, so the segment that converts it shows
     # the copy (Note [A schedule per block]).
     results = _results(fw.graph)
-    copies = {n.name: forward.storages[place][2] for n, place in zip(results, forward.returned)
+    copies = {n.name: forward.storages[place].nbytes for n, place in zip(results, forward.returned)
               if isinstance(n, torch.fx.Node) and n.op == "placeholder" and isinstance(place, int)}
     if copies:
         entry, key_of = dict(entry), dict(key_of)
@@ -491,12 +493,11 @@ def schedule_peak(schedule: Schedule, *, entry: dict[object, int], freed: dict[o
     the step that allocates it through the last it lives through (None: to the end), on top of
     `entry` (bytes live at the start by storage key, each freed after the step `freed` names: None
     never, -1 at once, as is one not named)."""
-    steps, storages = schedule.steps, schedule.storages
-    delta = [0] * (steps + 2)
-    for first, last, nbytes in storages:
-        delta[first] += nbytes
-        if last is not None:
-            delta[last + 1] -= nbytes
+    delta = [0] * (schedule.steps + 2)
+    for storage in schedule.storages:
+        delta[storage.first] += storage.nbytes
+        if storage.last is not None:
+            delta[storage.last + 1] -= storage.nbytes
     for key, nbytes in entry.items():
         last = freed.get(key, -1)
         if last is not None:
@@ -569,7 +570,7 @@ def schedule_peak(schedule: Schedule, *, entry: dict[object, int], freed: dict[o
 # gives the figures). A plan that recomputes parts of blocks (selective, a budget's candidates)
 # keeps the hand-overs: without them a selective plan was predicted under its measured peak, which a
 # budget would trust.
-_SEGMENT_SCHEDULES: dict[str, tuple] = {}
+_SEGMENT_SCHEDULES: dict[str, Schedule] = {}
 _SEGMENT_CACHE_SIZE = 512
 
 
@@ -611,12 +612,13 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
         key = config + _segment_key(members, inputs, outs, is_backward=is_backward, donated=gives)
         result = _SEGMENT_SCHEDULES.get(key)
         if result is None:
-            # By position, not name: an alike segment elsewhere has inputs of other names.
-            steps, local, local_end, returned, kinds, strides = _schedule(
-                _segment_module(members, inputs, outs), is_backward=is_backward, donated=gives)
-            position = {n.name: i for i, n in enumerate(inputs)}
-            result = (steps, local, {position[k]: v for k, v in local_end.items() if k in position},
-                      [f"p{position[r]}" if isinstance(r, str) and r in position else r for r in returned], kinds, strides)
+            # Inputs named by position ("p0", "p1", ...), not by name: an alike segment elsewhere
+            # has inputs of other names.
+            lowered_one = inductor_schedule(_segment_module(members, inputs, outs), is_backward=is_backward, donated=gives)
+            position = {n.name: f"p{i}" for i, n in enumerate(inputs)}
+            result = lowered_one._replace(
+                input_end={position[k]: v for k, v in lowered_one.input_end.items() if k in position},
+                returned=[position.get(r, r) if isinstance(r, str) else r for r in lowered_one.returned])
             lowered += 1
             if len(_SEGMENT_SCHEDULES) >= _SEGMENT_CACHE_SIZE:
                 _SEGMENT_SCHEDULES.clear()
@@ -625,13 +627,12 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
     log.debug("ckpt_fx: %s scheduled in %d segments, %d of them lowered (%d cached schedules)",
               "backward" if is_backward else "forward", len(segments), lowered, len(_SEGMENT_SCHEDULES))
 
-    def stitch(live: list[int] | None) -> tuple[int, list[list[int | None]], dict[str, int | None]]:
+    def stitch(live: list[int] | None) -> tuple[int, list[Storage], dict[str, int | None], dict]:
         """The segments' schedules end to end; with `live` (the bytes live at each step with no
         buffer handed across segments), a storage freed in one segment is handed to a later
         segment's buffer of its kind while that keeps within the peak of `live`, as the code
         generator does within a graph."""
-        storages: list[list[int | None]] = []
-        kinds_of: list[str | None] = []  # each storage's reuse key
+        storages: list[Storage] = []  # new ones: the cached segments' are read, never changed
         where: dict[torch.fx.Node, int | str] = {n: n.name for n in placeholders}  # a storage, or an input's name
         input_end: dict[str, int | None] = {}
         bound = max(live, default=0) if live is not None else 0
@@ -641,45 +642,45 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
             if place is None:
                 return
             if isinstance(place, int):
-                last = storages[place][1]
-                storages[place][1] = None if step is None or last is None else max(last, step)
+                last = storages[place].last
+                storages[place].last = None if step is None or last is None else max(last, step)
             else:
                 last = input_end.get(place, -1)
                 input_end[place] = None if step is None or last is None else max(last, step)
 
         offset = 0
-        for index, (inputs, outs, (steps, local, local_end, returned, kinds, _)) in enumerate(prepared):
-            last_step = offset + steps - 1
+        for index, (inputs, outs, local) in enumerate(prepared):
+            last_step = offset + local.steps - 1
             pool: dict[str, list[int]] = {}
             if live is not None:
                 held = {p for n, p in where.items()
                         if isinstance(p, int) and any(segment_of.get(u, -1) >= index for u in n.users)}
-                for i, (_, last, _) in enumerate(storages):
-                    if last is not None and i not in held and kinds_of[i] is not None:
-                        pool.setdefault(kinds_of[i], []).append(i)
+                for i, storage in enumerate(storages):
+                    if storage.last is not None and i not in held and storage.kind is not None:
+                        pool.setdefault(storage.kind, []).append(i)
                 for kind in pool.values():
-                    kind.sort(key=lambda i: storages[i][1])
+                    kind.sort(key=lambda i: storages[i].last)
             index_of: list[int] = []
-            for (first, last, nbytes), kind in zip(local, kinds):
-                end_step = last_step if last is None else offset + last
+            for storage in local.storages:
+                end_step = last_step if storage.last is None else offset + storage.last
+                kind = storage.kind
                 if live is not None and kind is not None and pool.get(kind):
                     old = pool[kind][-1]
-                    gap = range(storages[old][1] + 1, offset + first)
-                    if nbytes + max((live[t] for t in gap), default=0) <= bound:
+                    gap = range(storages[old].last + 1, offset + storage.first)
+                    if storage.nbytes + max((live[t] for t in gap), default=0) <= bound:
                         pool[kind].pop()
                         for t in gap:
-                            live[t] += nbytes
-                        storages[old][1] = end_step
+                            live[t] += storage.nbytes
+                        storages[old].last = end_step
                         index_of.append(old)
                         continue
                 index_of.append(len(storages))
-                storages.append([offset + first, end_step, nbytes])
-                kinds_of.append(kind)
+                storages.append(Storage(offset + storage.first, end_step, storage.nbytes, kind))
             for i, n in enumerate(inputs):
-                if i in local_end:
-                    step = local_end[i]
+                if f"p{i}" in local.input_end:
+                    step = local.input_end[f"p{i}"]
                     extend(n, last_step if step is None else offset + step)
-            for n, place in zip(outs, returned):
+            for n, place in zip(outs, local.returned):
                 if isinstance(place, int):  # a storage of this segment's
                     if n.op == "placeholder" and isinstance(where[n], int):
                         continue  # an earlier segment's copy of the input is the one returned
@@ -688,7 +689,7 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
                     where[n] = where.get(inputs[int(place[1:])], inputs[int(place[1:])].name)
                 if n in graph_outputs:
                     extend(n, None)
-            offset += steps
+            offset += local.steps
         for n in graph_outputs:
             extend(n, None)
         return offset, storages, input_end, where
@@ -699,11 +700,11 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
     steps, storages, input_end, _ = stitch(None)
     for n in placeholders:
         if n.name in input_end:
-            storages.append((0, input_end[n.name], tensor_bytes(n.meta.get("val"))))
+            storages.append(Storage(0, input_end[n.name], tensor_bytes(n.meta.get("val"))))
     delta = [0] * (steps + 1)
-    for first, last, nbytes in storages:
-        delta[first] += nbytes
-        delta[steps if last is None else last + 1] -= nbytes
+    for storage in storages:
+        delta[storage.first] += storage.nbytes
+        delta[steps if storage.last is None else storage.last + 1] -= storage.nbytes
     live, running = [], 0
     for change in delta[:steps]:
         running += change
@@ -714,11 +715,11 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
     returned = [where.get(n) if isinstance(n, torch.fx.Node) else None for n in results]
     # Each output's stride from the segment that makes it (an input's: the one that copies it).
     stride_of: dict[torch.fx.Node, tuple[int, ...] | None] = {}
-    for _, outs, (_, _, _, places, _, strides) in prepared:
-        for n, place, stride in zip(outs, places, strides):
+    for _, outs, local in prepared:
+        for n, place, stride in zip(outs, local.returned, local.strides):
             if n.op != "placeholder" or isinstance(place, int):
                 stride_of.setdefault(n, stride)
-    return Schedule(steps, [tuple(s) for s in storages], input_end, returned, [stride_of.get(n) for n in results])
+    return Schedule(steps, storages, input_end, returned, [stride_of.get(n) for n in results])
 
 
 def _config_key() -> str:

@@ -172,7 +172,7 @@ def test_where_inductor_cannot_be_asked_the_walk_predicts(fresh_inductor_cache, 
     def unavailable(gm, **kwargs):
         raise AttributeError("no scheduler here")
 
-    monkeypatch.setattr(passes.inductor_memory, "_schedule", unavailable)
+    monkeypatch.setattr(passes.inductor_memory, "inductor_schedule", unavailable)
     monkeypatch.setattr(passes.inductor_memory, "_SEGMENT_SCHEDULES", {})
     backend = ckpt_fx.backend(policy="blocks:every=1,skip_first=0", compiler="inductor", strict=True)
     model = _model()
@@ -191,12 +191,12 @@ def test_a_schedule_per_block_lowers_each_distinct_block_once_and_agrees_with_th
     import passes.inductor_memory as inductor_memory
     import passes.memory
 
-    real, by_block = inductor_memory._schedule, inductor_memory.segmented_schedule
+    real, by_block = inductor_memory.inductor_schedule, inductor_memory.segmented_schedule
     lowered: list[int] = []  # nodes of each graph lowered
     peaks = []
 
     def whole(gm, *, is_backward, donated=(), label, shared=None):
-        return inductor_memory.inductor_schedule(inductor_memory.copy_graph_module(gm), is_backward=is_backward, donated=donated)
+        return real(inductor_memory.copy_graph_module(gm), is_backward=is_backward, donated=donated)
 
     def both(fw, bw, **kw):
         lowered.clear()
@@ -209,7 +209,7 @@ def test_a_schedule_per_block_lowers_each_distinct_block_once_and_agrees_with_th
         return mine
 
     monkeypatch.setattr(inductor_memory, "_SEGMENT_SCHEDULES", {})
-    monkeypatch.setattr(inductor_memory, "_schedule", lambda gm, **k: lowered.append(len(gm.graph.nodes)) or real(gm, **k))
+    monkeypatch.setattr(inductor_memory, "inductor_schedule", lambda gm, **k: lowered.append(len(gm.graph.nodes)) or real(gm, **k))
     monkeypatch.setattr(passes.memory, "scheduled_peaks", both)
     torch.manual_seed(0)
     model = build("llama", layers=4, dim=128, heads=4)

@@ -111,13 +111,13 @@ def test_a_schedules_peak_counts_its_storages_and_its_entry_until_freed():
     (100 bytes) whose storage a kernel writes into at step 1, so it lives through step 3; buf0
     (40) from step 0 to 2; buf2 (10) returned (never freed). Live bytes: 140 at step 0, 140 at 1,
     150 at 2, 110 at 3."""
-    from passes.inductor_memory import Schedule
+    from passes.inductor_memory import Schedule, Storage
     from passes.inductor_memory import schedule_peak as _schedule_peak
 
-    schedule = Schedule(4, [(0, 2, 40), (2, None, 10)], {"saved_1": 3}, [], [])
+    schedule = Schedule(4, [Storage(0, 2, 40), Storage(2, None, 10)], {"saved_1": 3}, [], [])
     assert _schedule_peak(schedule, entry={"key": 100}, freed={"key": 3}) == 150
     # Without the in-place write the value is freed after step 1 and buf1 needs storage of its own.
-    plain = Schedule(4, [(0, 2, 40), (1, 3, 100), (2, None, 10)], {"saved_1": 1}, [], [])
+    plain = Schedule(4, [Storage(0, 2, 40), Storage(1, 3, 100), Storage(2, None, 10)], {"saved_1": 1}, [], [])
     assert _schedule_peak(plain, entry={"key": 100}, freed={"key": 1}) == 240
     # A value nobody frees (held by the caller) stays on top of the rest; one not named goes at once.
     assert _schedule_peak(plain, entry={"key": 100}, freed={"key": None}) == 250
