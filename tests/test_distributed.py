@@ -63,6 +63,7 @@ def _ddp_worker(rank: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # DDP: FSDP2's test below in the default run
 def test_ddp_two_processes_exact_gradients_same_plans_lower_peak(tmp_path):
     results = _run_workers(_ddp_worker, tmp_path)
 
@@ -82,7 +83,7 @@ def test_ddp_two_processes_exact_gradients_same_plans_lower_peak(tmp_path):
     assert results[0]["ckpt_plans"][0][0], "nothing was recomputed"
 
 
-@pytest.mark.slow  # two torchrun processes each; the tests above train DDP and FSDP2 in the default run
+@pytest.mark.slow  # two torchrun processes each; the test below trains FSDP2 in the default run
 @pytest.mark.parametrize("example", ["ddp.py", "fsdp2.py"])
 def test_example_under_torchrun_plans_every_graph_piece(example):
     """examples/ddp.py and examples/fsdp2.py with torchrun, 2 processes: they train, and every graph
@@ -252,6 +253,7 @@ def _measured_costs_worker(rank: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_measured_costs_give_every_rank_the_same_plan(tmp_path):
     """costs="measured" times ops on each rank, and timings differ between ranks; under a process
     group every rank plans with rank 0's timings, so the ranks reach the same plan."""

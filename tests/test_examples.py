@@ -39,10 +39,12 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("name, lines", [
     ("trainer.py", ["graphs planned since training: 0", "reloaded weights equal the trained ones: True", "disabled: True"]),
-    ("trl_sft.py", ["gradient checkpointing (TRL's default): True", "the model's own checkpointing covered 4 blocks; recomputed in 4",
-                    "equals the trained one: True"]),
-    ("lightning_module.py", ["trained 3 steps", "checkpoint keys are the module's own: True",
-                             "reloaded weights equal the trained ones: True"]),
+    # The other trainers in the slow checks (TRL's also in tests/test_user_path.py, under Inductor).
+    pytest.param("trl_sft.py", ["gradient checkpointing (TRL's default): True",
+                                "the model's own checkpointing covered 4 blocks; recomputed in 4", "equals the trained one: True"],
+                 marks=pytest.mark.slow),
+    pytest.param("lightning_module.py", ["trained 3 steps", "checkpoint keys are the module's own: True",
+                                         "reloaded weights equal the trained ones: True"], marks=pytest.mark.slow),
 ])
 def test_trainers_train_save_and_reload_an_enabled_model(name, lines):
     """ckpt_fx.enable with the trainers people use: Hugging Face's (evaluate and generate without

@@ -62,6 +62,7 @@ def test_saved_values_that_are_no_activations_are_named():
     assert kind("native_layer_norm[1]") == "activation"
 
 
+@pytest.mark.slow
 def test_dropout_under_inductor_says_its_masks_are_inductors_own():
     model, ids = small()
     said = [w for w in ckpt_fx.explain(model, ids, ids, compiler="inductor").warnings if "dropout under Inductor" in w]

@@ -343,9 +343,9 @@ def test_a_config_json_plans_the_model_it_describes(tmp_path):
 
 
 @pytest.mark.parametrize("config, kind", [
-    ({"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16, "vocab_size": 300,
-      "decoder_start_token_id": 0, "pad_token_id": 0},
-     "T5ForConditionalGeneration"),
+    pytest.param({"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16,
+                  "vocab_size": 300, "decoder_start_token_id": 0, "pad_token_id": 0},
+                 "T5ForConditionalGeneration", marks=pytest.mark.slow),
     ({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
       "num_attention_heads": 4, "vocab_size": 300}, "BertForMaskedLM"),
 ])
@@ -386,6 +386,7 @@ def test_a_bad_config_is_named_in_one_line(tmp_path, capsys):
         assert ("building the model" in err) is (model != str(tmp_path / "missing.json") or not extra), err
 
 
+@pytest.mark.slow
 def test_the_longest_sequence_is_where_the_peak_crosses_the_memory(tmp_path, capsys):
     """--max-seq: the sequence traced as dynamic; each row's longest sequence fits, one token more
     does not, and the plan's peak there equals a trace at that length."""
@@ -472,7 +473,8 @@ def _row_figures(row):
             row.recomputed_ops, round(row.recompute_flops_fraction, 9), row.fits)
 
 
-@pytest.mark.parametrize("lora_adapters", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_adapters", [False, True])
 def test_alike_blocks_planned_on_a_cut_model_give_the_whole_models_figures(lora_adapters):
     """Note [Planning from a few alike blocks]: a transformers Llama of 7 blocks planned from cuts
     of 2, 3 and 4 blocks gives every figure of every row that planning all 7 gives (peak,
@@ -491,6 +493,7 @@ def test_alike_blocks_planned_on_a_cut_model_give_the_whole_models_figures(lora_
     assert len(work.model.model.layers) == work.model.config.num_hidden_layers == 7  # the cuts leave it whole
 
 
+@pytest.mark.slow
 def test_a_policy_that_depends_on_the_whole_stack_or_blocks_that_differ_plan_every_block(monkeypatch):
     """Only policies that treat each block alike are planned from cuts (sqrt's segments follow
     the stack's length; a budget is one for the whole graph); only a stack of alike blocks, long

@@ -356,7 +356,7 @@ def _mixtral_lora(*, frozen_experts: bool):
     return model
 
 
-@pytest.mark.parametrize("frozen_experts", [True, False])
+@pytest.mark.parametrize("frozen_experts", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_grouped_matmuls_unread_weight_gradient_is_not_computed_and_gradients_are_bitwise(frozen_experts, monkeypatch):
     """Note [A grouped matmul's unread weight gradient]: with frozen experts the backward computes
     the experts' input gradients by the forward op (transformers' backward op is gone from it), the

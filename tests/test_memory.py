@@ -37,6 +37,7 @@ def test_predicted_peak_is_close_to_the_measured_one(policy):
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
 
 
+@pytest.mark.slow
 def test_memory_falls_as_policies_checkpoint_more(device):
     """Measured peak: none > blocks:4 > blocks:every=1,skip_first=1 > blocks (the default: no block
     of a stack of alike blocks skipped), and blocks keeps what skip_first=0 keeps."""
@@ -59,7 +60,8 @@ def test_memory_falls_as_policies_checkpoint_more(device):
     assert peaks["blocks"] == peaks["blocks:every=1,skip_first=0"] < 0.5 * peaks["none"], peaks
 
 
-@pytest.mark.parametrize("model_name", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
+@pytest.mark.slow  # JointLiveness on a hand-built graph: in the default run
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
 def test_joint_liveness_predicts_the_partitioned_peak(model_name):
     """The budget policy compares candidates by a walk over the joint graph (Note [Peak from the
     joint graph]); it must predict what the memory pass predicts on the partitioned graphs, for

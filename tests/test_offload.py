@@ -160,6 +160,7 @@ def test_a_bad_bandwidth_is_refused_naming_what_is_allowed(bandwidth, fragment):
         ckpt_fx.policies.budget(0.5, bandwidth=25)
 
 
+@pytest.mark.slow
 def test_offload_plans_under_inductor_train_like_eager(fresh_inductor_cache):
     """Under Inductor (min-cut partition) the offload pass runs on the graphs Inductor compiles:
     gradients allclose to eager's, the boundaries offloaded, the peak predicted by the walk."""
