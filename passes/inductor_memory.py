@@ -104,7 +104,6 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
     from torch._inductor.graph import GraphLowering
     from torch._inductor.ir import MultiOutput, MultiOutputLayout, NonOwningLayout
     from torch._inductor.scheduler import BaseSchedulerNode, Scheduler, SchedulerNode
-    from torch._inductor.utils import get_dtype_size
     from torch._inductor.virtualized import V
     from torch.utils._ordered_set import OrderedSet
     from torch.utils._python_dispatch import _disable_current_modes
@@ -137,87 +136,26 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
             in_place = _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode,
                                  can_match_buffer_size)
 
-            def nbytes(buf) -> int:
-                sizevars = V.graph.sizevars
-                size = sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf.node), fallback=0)
-                return int(size) * get_dtype_size(buf.node.get_dtype())
-
-            storages: list[Storage] = []
-            owner: dict[str, int | str] = {}  # buffer -> its storage (an index, or a donated input's name)
-            input_end: dict[str, int | None] = {}
-            pool: dict[object, list[tuple[int, str]]] = {}  # freed buffers a later one of its size may take
+            book = _Book(scheduler, graph, graph_outputs, by_step=by_step, peak=overall,
+                         reuse=inductor_config.allow_buffer_reuse, reuse_key=buffer_reuse_key)
             packed: dict[str, int] = {}  # an extern kernel's tuple of outputs -> the step that made it
             dropped: set[str] = set()  # buffers local to one fused kernel
-
-            def end(name: str, step: int | None) -> None:
-                """`name`'s storage lives through `step` at least (None: to the graph's end)."""
-                where = owner.get(name, name)
-                storage = storages[where] if isinstance(where, int) else None
-                last = storage.last if storage is not None else input_end.get(where, -1)
-                last = None if step is None or last is None else max(last, step)
-                if storage is not None:
-                    storage.last = last
-                else:
-                    input_end[where] = last
-
-            # The code generator's order of events (Scheduler._codegen): on a CPU, consecutive
-            # generated kernels run as one group called before the next extern kernel, so a group's
-            # buffers are all allocated before it runs and what its kernels last read is freed
-            # after it; elsewhere each kernel frees what it last read. Frees go in name order.
-            pending: list[str] = []
-            taken: set[str] = set()  # buffers whose storage a later one was written into
-            group: int | None = None  # the step a CPU group of kernels starts at
-
-            def release(at: int) -> None:
-                nonlocal group
-                for name in sorted(set(pending)):
-                    if name in graph_outputs:
-                        continue
-                    end(name, at)
-                    if name in taken:
-                        continue  # a later buffer was written into its storage: not free
-                    source = scheduler.name_to_buf.get(name) if name in owner else scheduler.name_to_donated_buffer.get(name)
-                    if (source is not None and source.node is not None and source.node.should_allocate()
-                            and name not in graph.removed_buffers and not source.node.get_inputs_that_alias_output()):
-                        pool.setdefault(buffer_reuse_key(source.node), []).append((at, name))
-                pending.clear()
-                group = None
-
-            def allocate(buf, step: int, grouped: bool) -> None:
-                """Give `buf` a storage at `step`: a freed one of its kind while Inductor's estimate
-                of the peak allows, else its own (from the start of the CPU group it runs in)."""
-                name = buf.get_name()
-                key = buffer_reuse_key(buf.node) if buf.node.should_allocate() else None
-                freed = pool.get(key) if key is not None and inductor_config.allow_buffer_reuse else None
-                if freed:
-                    free_step, old = freed.pop()
-                    size = nbytes(buf)
-                    if free_step + 1 == step or size + max(by_step[free_step + 1:step], default=0) <= overall:
-                        for t in range(free_step + 1, step):
-                            by_step[t] += size
-                        owner[name] = owner.get(old, old)
-                        return
-                    freed.append((free_step, old))
-                owner[name] = len(storages)
-                reusable = key is not None and inductor_config.allow_buffer_reuse
-                storages.append(Storage(group if grouped else step, step, int(buf.mpi_buffer.size_alloc),
-                                        repr(key) if reusable else None))
-
+            storages, owner = book.storages, book.owner
             for step, node in enumerate(nodes):
                 extern = node.is_extern()
                 device = node.get_device()
                 on_cpu = device is not None and device.type == "cpu"
                 if extern and step > 0:
-                    release(step - 1)
-                if on_cpu and not extern and group is None:
-                    group = step
+                    book.release(step - 1)
+                if on_cpu and not extern and book.group is None:
+                    book.group = step
                 members = OrderedSet(sub.get_name() for sub in node.get_nodes())
                 generated = not extern and all(isinstance(sub, SchedulerNode) for sub in node.get_nodes())
                 for buf in node.get_outputs():
                     name = buf.get_name()
                     if name in in_place and in_place[name] not in dropped:
                         owner[name] = owner.get(in_place[name], in_place[name])
-                        taken.add(in_place[name])
+                        book.taken.add(in_place[name])
                         continue
                     if generated and name not in graph_outputs and scheduler.can_buffer_be_removed_through_fusion(name, members):
                         dropped.add(name)  # written and last read inside one fused kernel: the code generator drops it
@@ -244,24 +182,24 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
                         # Computed straight into a slice of a later buffer (cat's inputs): the code
                         # generator allocates that buffer here, and this one is a view of it.
                         if target not in owner:
-                            allocate(scheduler.name_to_buf[target], step, on_cpu and not extern)
+                            book.allocate(scheduler.name_to_buf[target], step, on_cpu and not extern)
                         owner[name] = owner[target]
                         continue
                     if not buf.mpi_buffer.size_alloc:
                         continue  # an alias, a mutation, or fused away: no storage of its own
-                    allocate(buf, step, on_cpu and not extern)
-                pending.extend(node.last_usage)
+                    book.allocate(buf, step, on_cpu and not extern)
+                book.pending.extend(node.last_usage)
                 if extern or not on_cpu:
-                    release(step)
-            release(len(nodes) - 1)
+                    book.release(step)
+            book.release(len(nodes) - 1)
             # A buffer read through an alias lives as long as Inductor's own timeline says.
             infos, _, _ = inductor_memory.compute_memory_timeline(nodes, {}, graph_outputs)
             for info in infos:
                 if info.buffer.get_name() in owner:
-                    end(info.buffer.get_name(), None if info.end_step == -1 else info.end_step)
+                    book.end(info.buffer.get_name(), None if info.end_step == -1 else info.end_step)
             for name in graph_outputs:
                 if name in owner or name in graph_inputs:
-                    end(name, None)
+                    book.end(name, None)
             returned: list[int | str | None] = []
             for name in graph.get_output_names():
                 where = owner.get(name, name)
@@ -272,7 +210,88 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
                     strides.append(tuple(int(V.graph.sizevars.optimization_hint(d, fallback=1)) for d in out.get_stride()))
                 except Exception:  # noqa: BLE001 - no tensor, or no fixed layout: its stride is the graph's
                     strides.append(None)
-            return Schedule(len(nodes), storages, input_end, returned, strides)
+            return Schedule(len(nodes), storages, book.input_end, returned, strides)
+
+
+class _Book:
+    """The code generator's storages as a graph's kernels run (Note [Inductor's own schedule]):
+    which storage each buffer is in, how long each lives, and which freed ones a later buffer of
+    their kind may take.
+
+    The code generator's order of events (Scheduler._codegen): on a CPU, consecutive generated
+    kernels run as one group called before the next extern kernel, so a group's buffers are all
+    allocated before it runs (from `group`, the step it starts at) and what its kernels last read
+    is freed after it; elsewhere each kernel frees what it last read. Frees go in name order."""
+
+    def __init__(self, scheduler, graph, graph_outputs, *, by_step: list[int], peak: int, reuse: bool, reuse_key):
+        self.scheduler, self.graph, self.graph_outputs = scheduler, graph, graph_outputs
+        self.by_step = by_step
+        """Inductor's estimate of each step's memory, raised as freed storages are handed on."""
+        self.peak = peak
+        """Inductor's estimate of the graph's peak, which no hand-over may exceed."""
+        self.reuse, self.reuse_key = reuse, reuse_key  # allow_buffer_reuse; the code generator's buffer_reuse_key
+        self.storages: list[Storage] = []
+        self.owner: dict[str, int | str] = {}  # buffer -> its storage (an index, or a donated input's name)
+        self.input_end: dict[str, int | None] = {}
+        self.pool: dict[object, list[tuple[int, str]]] = {}  # freed buffers a later one of its kind may take
+        self.pending: list[str] = []  # buffers last read since the last release
+        self.taken: set[str] = set()  # buffers whose storage a later one was written into
+        self.group: int | None = None  # the step a CPU group of kernels starts at
+
+    def end(self, name: str, step: int | None) -> None:
+        """`name`'s storage lives through `step` at least (None: to the graph's end)."""
+        where = self.owner.get(name, name)
+        storage = self.storages[where] if isinstance(where, int) else None
+        last = storage.last if storage is not None else self.input_end.get(where, -1)
+        last = None if step is None or last is None else max(last, step)
+        if storage is not None:
+            storage.last = last
+        else:
+            self.input_end[where] = last
+
+    def release(self, at: int) -> None:
+        """Free what was last read since the last release, after step `at`."""
+        scheduler = self.scheduler
+        for name in sorted(set(self.pending)):
+            if name in self.graph_outputs:
+                continue
+            self.end(name, at)
+            if name in self.taken:
+                continue  # a later buffer was written into its storage: not free
+            source = scheduler.name_to_buf.get(name) if name in self.owner else scheduler.name_to_donated_buffer.get(name)
+            if (source is not None and source.node is not None and source.node.should_allocate()
+                    and name not in self.graph.removed_buffers and not source.node.get_inputs_that_alias_output()):
+                self.pool.setdefault(self.reuse_key(source.node), []).append((at, name))
+        self.pending.clear()
+        self.group = None
+
+    def allocate(self, buf, step: int, grouped: bool) -> None:
+        """Give `buf` a storage at `step`: a freed one of its kind while Inductor's estimate of the
+        peak allows, else its own (from the start of the CPU group it runs in)."""
+        name = buf.get_name()
+        key = self.reuse_key(buf.node) if buf.node.should_allocate() else None
+        freed = self.pool.get(key) if key is not None and self.reuse else None
+        if freed:
+            free_step, old = freed.pop()
+            size = _nbytes(buf)
+            if free_step + 1 == step or size + max(self.by_step[free_step + 1:step], default=0) <= self.peak:
+                for t in range(free_step + 1, step):
+                    self.by_step[t] += size
+                self.owner[name] = self.owner.get(old, old)
+                return
+            freed.append((free_step, old))
+        self.owner[name] = len(self.storages)
+        self.storages.append(Storage(self.group if grouped else step, step, int(buf.mpi_buffer.size_alloc),
+                                     repr(key) if key is not None and self.reuse else None))
+
+
+def _nbytes(buf) -> int:
+    """A scheduler buffer's storage bytes, as the code generator sizes it."""
+    from torch._inductor.utils import get_dtype_size
+    from torch._inductor.virtualized import V
+
+    size = V.graph.sizevars.optimization_hint(V.graph.get_allocation_storage_size(buf.node), fallback=0)
+    return int(size) * get_dtype_size(buf.node.get_dtype())
 
 
 def _in_place(nodes, scheduler, graph, graph_outputs, BaseSchedulerNode, SchedulerNode, can_match_buffer_size) -> dict[str, str]:
