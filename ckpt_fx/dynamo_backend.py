@@ -24,6 +24,7 @@ from passes._compat import (
     autograd_cache_hits,
     boxed_nop,
     cache_hash,
+    compiling_frame,
     has_inductor_partitioner_hook,
     inductor_cache_dir,
     inductor_with_partitioner,
@@ -192,6 +193,9 @@ class CkptBackend:
         ckpt_fx/in_place.py)."""
         self._count_runs = count_runs
         self.plans: list[Plan] = []
+        self.superseded: list[Plan] = []
+        """Plans a later graph of the same function replaced in `plans` (Note [A recompile's plan])."""
+        self._by_function: dict[int, _FunctionPlan] = {}
         self.checkpointed_by_model: tuple[str, ...] = ()
         """Units the model's own checkpointing would cover in the graphs compiled next, where
         ckpt_fx.enable switched it off for them (Note [The model's own checkpointing under enable]
@@ -408,6 +412,7 @@ class CkptBackend:
             ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
             self._say("ckpt_fx: graph %d: %d ops traced; planning (%s) and compiling with %s ...", number, ops,
                       policies.policy_name(self.options.policy), inner)
+        frame, dynamic = compiling_frame(), _has_symbolic_sizes(example_inputs)
         hits, self._planning_s, started = autograd_cache_hits(), 0.0, time.perf_counter()
         # Note [Compiling on a fresh stack chunk] in passes/steps.py
         compiled = on_a_fresh_stack(lambda: compile_fn(gm, example_inputs))
@@ -431,9 +436,27 @@ class CkptBackend:
         elif training:
             self._say("ckpt_fx: graph %d compiled in %.1f s, without a plan (nothing in it needs gradients, or it "
                       "fell back: see the warnings)", number, elapsed)
+        index = self._place(frame, dynamic, number) if len(self.plans) == planned + 1 else None
         if self.head_report.dropped_outputs:
             compiled = _with_none_at(compiled, self.head_report.dropped_outputs)
-        return _counted(compiled, self, planned if self._count_runs and len(self.plans) == planned + 1 else None)
+        return _counted(compiled, self, index if self._count_runs else None)
+
+    def _place(self, frame: tuple[int, int] | None, dynamic: bool, number: int) -> int:
+        """The index in `plans` of the plan just appended: where a graph with symbolic sizes
+        recompiles a function that has a plan, that plan's place (Note [A recompile's plan])."""
+        index = len(self.plans) - 1
+        if frame is None:
+            return index
+        function, compile_ = frame
+        earlier = self._by_function.get(function)
+        if dynamic and earlier is not None and earlier.compile != compile_:
+            self.superseded.append(self.plans[earlier.index])
+            self.plans[earlier.index] = self.plans.pop()
+            index = earlier.index
+            self._say("ckpt_fx: graph %d serves graph %d's function at any size: its plan replaces graph %d's in "
+                      "`plans`", number, earlier.graph, earlier.graph)
+        self._by_function[function] = _FunctionPlan(compile=compile_, index=index, graph=number)
+        return index
 
     def _say(self, message: str, *args: Any) -> None:
         """One progress line (Note [The first step's lines])."""
@@ -490,6 +513,22 @@ def backend(
                                progress=progress, **Options.merged(given)))
 
 
+@dataclass(frozen=True)
+class _FunctionPlan:
+    """The plan in force for a function Dynamo compiled: which of its compiles made it, its index
+    in `plans`, the backend's number for that graph."""
+    compile: int
+    index: int
+    graph: int
+
+
+def _has_symbolic_sizes(example_inputs: list[Any]) -> bool:
+    """Whether Dynamo traced the graph with symbolic sizes (a dynamic graph): a size among its
+    inputs, or a tensor whose shape holds one."""
+    return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
+               for x in example_inputs)
+
+
 def _counted(compiled: Callable[..., Any], backend: CkptBackend, index: int | None) -> Callable[..., Any]:
     """`compiled`, counting its calls in backend.graph_runs and recording `index` (unless None) in
     backend.runs at each; called as `compiled` is (boxed or not)."""
@@ -512,6 +551,17 @@ def _counted(compiled: Callable[..., Any], backend: CkptBackend, index: int | No
 # the time it took, planning's share, and the plan (blocks, recomputed, predicted peak). Where the
 # program configured no logging at all, the logger prints to stderr itself; options
 # {"progress": False} (enable(progress=False)) keeps them at debug level.
+#
+# Note [A recompile's plan]
+# A function Dynamo compiled is compiled again when a guard fails; the common case in training is
+# a new sequence length, and the second graph is traced with symbolic sizes (automatic dynamic
+# shapes). Dynamo tries a function's graphs newest first and the dynamic one accepts the sizes the
+# first was made for, so from then on it alone runs: its plan takes the first one's place in
+# `plans` (the superseded one kept in `superseded`). Read as two graphs of one step (graph breaks),
+# step_peak_bytes(plans) would add the first graph's forward leftovers to the second's peak. A
+# recompile with fixed sizes (a changed attribute, dynamic=False) keeps both: the older graph may
+# still run for the inputs it was made for, and a function called more than once a step (a block
+# after a graph break) may run both in one step.
 #
 # Note [Plans of cached graphs]
 # Under Inductor, a graph compiled by an earlier process with the same policy and options is

@@ -499,6 +499,17 @@ def dynamo_recompile_limit(limit: int):
     return dynamo_config.patch(recompile_limit=max(limit, dynamo_config.recompile_limit))
 
 
+def compiling_frame() -> tuple[int, int] | None:
+    """The function Dynamo is compiling now, as (frame, compile): a recompile of the same function
+    keeps its frame number and counts up its compile; None outside Dynamo."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or compile_id.frame_id is None:
+        return None
+    return compile_id.frame_id, compile_id.frame_compile_id or 0
+
+
 def own_backend(name: str) -> Callable[..., Any]:
     """torch.compile's backend `name` ("inductor", "aot_eager") as a callable of its own: Dynamo
     serves a function's compiled graph to any later call under an equal backend, and two

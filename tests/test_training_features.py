@@ -105,6 +105,40 @@ def test_dynamic_sequence_length_compiles_once_and_keeps_the_saving():
         plan.at(seq=32)
 
 
+def test_the_recompile_that_makes_a_graph_dynamic_takes_the_first_plans_place():
+    """Note [A recompile's plan]: a second length recompiles the function with symbolic sizes, and
+    that graph alone runs from then on: its plan replaces the first length's in `plans`, and
+    step_peak_bytes(plans) predicts the step from it, not from both as two graphs of one step."""
+    model = make(SPEC)
+    b = ckpt_fx.backend(policy=EVERY, strict=True)
+    fn = torch.compile(copy.deepcopy(model), backend=b)
+
+    def step(x):
+        fn(x).sin().sum().backward()
+
+    step(inputs(SPEC, 4, 16))
+    (first,) = b.plans
+    assert not first.symbols
+    for seq in (24, 40):
+        x = inputs(SPEC, 4, seq)
+        step(x)
+        (plan,) = b.plans
+        assert plan.symbols and b.superseded == [first]
+    x = inputs(SPEC, 4, 24)
+    measured = ckpt_fx.peak_bytes(lambda: step(x))
+    (length,) = plan.symbols
+    predicted = ckpt_fx.step_peak_bytes([plan.at(**{length: 24})])
+    assert ckpt_fx.step_peak_bytes(b.plans) == ckpt_fx.step_peak_bytes([plan])
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+
+    # With fixed sizes each length keeps its own graph (the first one runs again at its length).
+    static = ckpt_fx.backend(policy=EVERY, strict=True)
+    fn = torch.compile(copy.deepcopy(model), backend=static, dynamic=False)
+    for seq in (16, 24):
+        step(inputs(SPEC, 4, seq))
+    assert len(static.plans) == 2 and not static.superseded
+
+
 def test_retain_graph_and_a_second_backward():
     model, x = make(SPEC), inputs(SPEC, 2, 8)
     m = copy.deepcopy(model)
