@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -140,7 +140,7 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
                          reuse=inductor_config.allow_buffer_reuse, reuse_key=buffer_reuse_key)
             packed: dict[str, int] = {}  # an extern kernel's tuple of outputs -> the step that made it
             dropped: set[str] = set()  # buffers local to one fused kernel
-            storages, owner = book.storages, book.owner
+            owner = book.owner
             for step, node in enumerate(nodes):
                 extern = node.is_extern()
                 device = node.get_device()
@@ -165,14 +165,13 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
                         # A chunked loss head's temporaries, while it runs (passes/head.py).
                         workspace = max((workspace_bytes(o) for o in buf.node.origins), default=0)
                         if workspace:
-                            storages.append(Storage(step, step, workspace))
+                            book.hold(Storage(step, step, workspace))
                         continue
                     if isinstance(buf.node, MultiOutput) and buf.mpi_buffer.size_free:
                         # An element of the tuple an extern kernel (a custom op, a fallback)
                         # returned: allocated by that kernel, alive as long as it is read.
-                        owner[name] = len(storages)
                         made = next((packed[i.get_name()] for i in buf.node.inputs if i.get_name() in packed), step)
-                        storages.append(Storage(made, step, int(buf.mpi_buffer.size_free)))
+                        book.hold(Storage(made, step, int(buf.mpi_buffer.size_free)), name)
                         continue
                     if name in owner:
                         continue  # its storage was allocated for a view written into it first
@@ -210,7 +209,7 @@ def inductor_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: t
                     strides.append(tuple(int(V.graph.sizevars.optimization_hint(d, fallback=1)) for d in out.get_stride()))
                 except Exception:  # noqa: BLE001 - no tensor, or no fixed layout: its stride is the graph's
                     strides.append(None)
-            return Schedule(len(nodes), storages, book.input_end, returned, strides)
+            return Schedule(len(nodes), book.storages, book.input_end, returned, strides)
 
 
 class _Book:
@@ -264,6 +263,13 @@ class _Book:
                 self.pool.setdefault(self.reuse_key(source.node), []).append((at, name))
         self.pending.clear()
         self.group = None
+
+    def hold(self, storage: Storage, name: str | None = None) -> None:
+        """A storage the code generator does not allocate or hand on (an extern kernel's own
+        output, a chunked head's workspace); `name`: the buffer it holds."""
+        if name is not None:
+            self.owner[name] = len(self.storages)
+        self.storages.append(storage)
 
     def allocate(self, buf, step: int, grouped: bool) -> None:
         """Give `buf` a storage at `step`: a freed one of its kind while Inductor's estimate of the
@@ -556,27 +562,21 @@ def schedule_peak(schedule: Schedule, *, entry: dict[object, int], freed: dict[o
 # head and the loss), so the first and last blocks are alike to the others and the head, which no
 # plan changes, is lowered once for all a budget's candidates; and a forward value several blocks
 # read that the prelude alone computes (a mask or rotary table min-cut's CSE left in the first
-# block that reads it) joins the prelude. On transformers' Llama 6 x 256 under `budget:0.5` the
-# last block's forward segment shrank from 110 nodes to 77 (the others' size) and the head's 33
-# are lowered once for the whole search. The backward's prelude (the loss's gradient and the
+# block that reads it) joins the prelude. The backward's prelude (the loss's gradient and the
 # head's backward) stays in the last block's segment: cut off, it under-predicted ViT's backward
-# by 4.9 MB against the whole graph's schedule (71.7 MB laid end to end, 76.6 whole, 81.9
-# measured, `budget:0.9` of the README's sweep, before the saved copies of Note [Saved inputs in
-# another layout] were counted: 81.9 now); joined, ViT's backward laid end to end equals the
-# whole graph's on every plan of that budget's search, and the test models' predictions are those
-# of before the cut but for GPT 3 x 128 `selective` (-0.1% with the cut, -6.9% without: there the
-# cut over-predicted the plan without min-cut's CSE, which tipped the choice to the CSE'd one).
+# against the whole graph's schedule (by 4.9 MB under `budget:0.9` of the README's sweep); joined,
+# ViT's backward laid end to end equals the whole graph's on every plan of that budget's search.
 # A graph that does not cut into a few runs per block, or passes a tuple or a size across a cut,
-# is scheduled whole; and so is the
-# backward of a plan that min-cut partitioned after its CSE and that asks for recomputes (the
-# planner says which; Note [Whole backward schedules] in passes/planner.py): there Inductor fuses neighbouring blocks' recomputes sideways (GPT 3 x 128, every block:
+# is scheduled whole; and so is the backward of a plan that min-cut partitioned after its CSE and
+# that asks for recomputes (the planner says which; Note [Whole backward schedules] in
+# passes/planner.py): there Inductor fuses neighbouring blocks' recomputes sideways (GPT 3 x 128, every block:
 # block 1's softmax `amax` recompute runs in one kernel with block 2's, during block 2's backward)
 # and the whole graph's peak is not the blocks' laid end to end (9.8 MB whole, 8.0 laid end to
 # end; GPT-2 12 x 256: 121.7 whole, 138.8 laid end to end), which no cut between blocks can show.
 # (Un-sharing the values the CSE shares between blocks, the causal mask's constants, changes
-# nothing: it is the fusion.) Its forward recomputes
-# nothing and is cut as any other. Blocks whose dropout reads another of the step's seeds (an
-# index into one tensor) are alike: the index is left out of the key.
+# nothing: it is the fusion.) Its forward recomputes nothing and is cut as any other. Blocks whose
+# dropout reads another of the step's seeds (an index into one tensor) are alike: the index is
+# left out of the key.
 
 
 # Note [Hand-overs in a backward of whole units]
@@ -611,7 +611,7 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
     config = _config_key()
     donated_names = {placeholders[i].name for i in donated}
 
-    prepared = []  # each segment's inputs, outputs and schedule
+    prepared: list[_Segment] = []
     lowered = 0
     for index, members in enumerate(segments):
         inside = set(members)
@@ -642,84 +642,18 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
             if len(_SEGMENT_SCHEDULES) >= _SEGMENT_CACHE_SIZE:
                 _SEGMENT_SCHEDULES.clear()
             _SEGMENT_SCHEDULES[key] = result
-        prepared.append((inputs, outs, result))
+        prepared.append(_Segment(inputs, outs, result))
     log.debug("ckpt_fx: %s scheduled in %d segments, %d of them lowered (%d cached schedules)",
               "backward" if is_backward else "forward", len(segments), lowered, len(_SEGMENT_SCHEDULES))
-
-    def stitch(live: list[int] | None) -> tuple[int, list[Storage], dict[str, int | None], dict]:
-        """The segments' schedules end to end; with `live` (the bytes live at each step with no
-        buffer handed across segments), a storage freed in one segment is handed to a later
-        segment's buffer of its kind while that keeps within the peak of `live`, as the code
-        generator does within a graph."""
-        storages: list[Storage] = []  # new ones: the cached segments' are read, never changed
-        where: dict[torch.fx.Node, int | str] = {n: n.name for n in placeholders}  # a storage, or an input's name
-        input_end: dict[str, int | None] = {}
-        bound = max(live, default=0) if live is not None else 0
-
-        def extend(node: torch.fx.Node, step: int | None) -> None:
-            place = where.get(node)
-            if place is None:
-                return
-            if isinstance(place, int):
-                last = storages[place].last
-                storages[place].last = None if step is None or last is None else max(last, step)
-            else:
-                last = input_end.get(place, -1)
-                input_end[place] = None if step is None or last is None else max(last, step)
-
-        offset = 0
-        for index, (inputs, outs, local) in enumerate(prepared):
-            last_step = offset + local.steps - 1
-            pool: dict[str, list[int]] = {}
-            if live is not None:
-                held = {p for n, p in where.items()
-                        if isinstance(p, int) and any(segment_of.get(u, -1) >= index for u in n.users)}
-                for i, storage in enumerate(storages):
-                    if storage.last is not None and i not in held and storage.kind is not None:
-                        pool.setdefault(storage.kind, []).append(i)
-                for kind in pool.values():
-                    kind.sort(key=lambda i: storages[i].last)
-            index_of: list[int] = []
-            for storage in local.storages:
-                end_step = last_step if storage.last is None else offset + storage.last
-                kind = storage.kind
-                if live is not None and kind is not None and pool.get(kind):
-                    old = pool[kind][-1]
-                    gap = range(storages[old].last + 1, offset + storage.first)
-                    if storage.nbytes + max((live[t] for t in gap), default=0) <= bound:
-                        pool[kind].pop()
-                        for t in gap:
-                            live[t] += storage.nbytes
-                        storages[old].last = end_step
-                        index_of.append(old)
-                        continue
-                index_of.append(len(storages))
-                storages.append(Storage(offset + storage.first, end_step, storage.nbytes, kind))
-            for i, n in enumerate(inputs):
-                if f"p{i}" in local.input_end:
-                    step = local.input_end[f"p{i}"]
-                    extend(n, last_step if step is None else offset + step)
-            for n, place in zip(outs, local.returned):
-                if isinstance(place, int):  # a storage of this segment's
-                    if n.op == "placeholder" and isinstance(where[n], int):
-                        continue  # an earlier segment's copy of the input is the one returned
-                    where[n] = index_of[place]
-                elif isinstance(place, str):  # an input's, by its position
-                    where[n] = where.get(inputs[int(place[1:])], inputs[int(place[1:])].name)
-                if n in graph_outputs:
-                    extend(n, None)
-            offset += local.steps
-        for n in graph_outputs:
-            extend(n, None)
-        return offset, storages, input_end, where
 
     # The bytes live at each step when no buffer is handed across segments, the graph's inputs
     # until their last read among them: the bound on handing one on, as Inductor's own estimate
     # (which counts the inputs it may free) is within a graph.
-    steps, storages, input_end, _ = stitch(None)
+    apart = _stitch(prepared, placeholders, segment_of, graph_outputs, None)
+    steps, storages = apart.steps, apart.storages
     for n in placeholders:
-        if n.name in input_end:
-            storages.append(Storage(0, input_end[n.name], tensor_bytes(n.meta.get("val"))))
+        if n.name in apart.input_end:
+            storages.append(Storage(0, apart.input_end[n.name], tensor_bytes(n.meta.get("val"))))
     delta = [0] * (steps + 1)
     for storage in storages:
         delta[storage.first] += storage.nbytes
@@ -729,16 +663,107 @@ def segmented_schedule(gm: torch.fx.GraphModule, *, is_backward: bool, donated: 
         running += change
         live.append(running)
     # Note [Hand-overs in a backward of whole units]
-    steps, storages, input_end, where = stitch(None if is_backward and any(map(recomputed_whole, compute)) else live)
+    joined = _stitch(prepared, placeholders, segment_of, graph_outputs,
+                     None if is_backward and any(map(recomputed_whole, compute)) else live)
     results = _results(gm.graph)
-    returned = [where.get(n) if isinstance(n, torch.fx.Node) else None for n in results]
+    returned = [joined.where.get(n) if isinstance(n, torch.fx.Node) else None for n in results]
     # Each output's stride from the segment that makes it (an input's: the one that copies it).
     stride_of: dict[torch.fx.Node, tuple[int, ...] | None] = {}
-    for _, outs, local in prepared:
-        for n, place, stride in zip(outs, local.returned, local.strides):
+    for segment in prepared:
+        for n, place, stride in zip(segment.outs, segment.schedule.returned, segment.schedule.strides):
             if n.op != "placeholder" or isinstance(place, int):
                 stride_of.setdefault(n, stride)
-    return Schedule(steps, storages, input_end, returned, [stride_of.get(n) for n in results])
+    return Schedule(joined.steps, joined.storages, joined.input_end, returned, [stride_of.get(n) for n in results])
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """A run of one block's nodes scheduled on its own (Note [A schedule per block]): its inputs
+    and outputs in the whole graph, and its schedule, whose inputs are named by position ("p0")."""
+
+    inputs: list[torch.fx.Node]
+    outs: list[torch.fx.Node]
+    schedule: Schedule
+
+
+@dataclass
+class _Stitched:
+    """Segments' schedules laid end to end: the steps so far, the storages (new ones: a cached
+    segment's are read, never changed), the graph inputs' last steps, and where each value of the
+    graph is (a storage's index, or an input's name)."""
+
+    steps: int = 0
+    storages: list[Storage] = field(default_factory=list)
+    input_end: dict[str, int | None] = field(default_factory=dict)
+    where: dict[torch.fx.Node, int | str] = field(default_factory=dict)
+
+    def extend(self, node: torch.fx.Node, step: int | None) -> None:
+        """`node`'s storage lives through `step` at least (None: to the graph's end)."""
+        place = self.where.get(node)
+        if place is None:
+            return
+        if isinstance(place, int):
+            last = self.storages[place].last
+            self.storages[place].last = None if step is None or last is None else max(last, step)
+        else:
+            last = self.input_end.get(place, -1)
+            self.input_end[place] = None if step is None or last is None else max(last, step)
+
+
+def _stitch(segments: list[_Segment], placeholders: list[torch.fx.Node], segment_of: dict[torch.fx.Node, int],
+            graph_outputs: set[torch.fx.Node], live: list[int] | None) -> _Stitched:
+    """The segments' schedules end to end; with `live` (the bytes live at each step with no buffer
+    handed across segments), a storage freed in one segment is handed to a later segment's buffer
+    of its kind while that keeps within the peak of `live`, as the code generator does within a
+    graph. `live` is raised where a storage is handed on."""
+    joined = _Stitched(where={n: n.name for n in placeholders})
+    storages, where = joined.storages, joined.where
+    bound = max(live, default=0) if live is not None else 0
+    for index, segment in enumerate(segments):
+        local, offset = segment.schedule, joined.steps
+        last_step = offset + local.steps - 1
+        pool: dict[str, list[int]] = {}  # freed storages a buffer of their kind may take, longest-lived last
+        if live is not None:
+            held = {p for n, p in where.items()
+                    if isinstance(p, int) and any(segment_of.get(u, -1) >= index for u in n.users)}
+            for i, storage in enumerate(storages):
+                if storage.last is not None and i not in held and storage.kind is not None:
+                    pool.setdefault(storage.kind, []).append(i)
+            for kind in pool.values():
+                kind.sort(key=lambda i: storages[i].last)
+        index_of: list[int] = []  # each of the segment's storages: its index in the joined list
+        for storage in local.storages:
+            end_step = last_step if storage.last is None else offset + storage.last
+            kind = storage.kind
+            if live is not None and kind is not None and pool.get(kind):
+                old = pool[kind][-1]
+                gap = range(storages[old].last + 1, offset + storage.first)
+                if storage.nbytes + max((live[t] for t in gap), default=0) <= bound:
+                    pool[kind].pop()
+                    for t in gap:
+                        live[t] += storage.nbytes
+                    storages[old].last = end_step
+                    index_of.append(old)
+                    continue
+            index_of.append(len(storages))
+            storages.append(Storage(offset + storage.first, end_step, storage.nbytes, kind))
+        for i, n in enumerate(segment.inputs):
+            if f"p{i}" in local.input_end:
+                step = local.input_end[f"p{i}"]
+                joined.extend(n, last_step if step is None else offset + step)
+        for n, place in zip(segment.outs, local.returned):
+            if isinstance(place, int):  # a storage of this segment's
+                if n.op == "placeholder" and isinstance(where[n], int):
+                    continue  # an earlier segment's copy of the input is the one returned
+                where[n] = index_of[place]
+            elif isinstance(place, str):  # an input's, by its position
+                where[n] = where.get(segment.inputs[int(place[1:])], segment.inputs[int(place[1:])].name)
+            if n in graph_outputs:
+                joined.extend(n, None)
+        joined.steps += local.steps
+    for n in graph_outputs:
+        joined.extend(n, None)
+    return joined
 
 
 def _config_key() -> str:
