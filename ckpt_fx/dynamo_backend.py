@@ -412,7 +412,7 @@ class CkptBackend:
             ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
             self._say("ckpt_fx: graph %d: %d ops traced; planning (%s) and compiling with %s ...", number, ops,
                       policies.policy_name(self.options.policy), inner)
-        frame, dynamic = compiling_frame(), _has_symbolic_sizes(example_inputs)
+        frame, dynamic, inputs = compiling_frame(), _has_symbolic_sizes(example_inputs), _tensor_inputs(gm)
         hits, self._planning_s, started = autograd_cache_hits(), 0.0, time.perf_counter()
         # Note [Compiling on a fresh stack chunk] in passes/steps.py
         compiled = on_a_fresh_stack(lambda: compile_fn(gm, example_inputs))
@@ -436,12 +436,12 @@ class CkptBackend:
         elif training:
             self._say("ckpt_fx: graph %d compiled in %.1f s, without a plan (nothing in it needs gradients, or it "
                       "fell back: see the warnings)", number, elapsed)
-        index = self._place(frame, dynamic, number) if len(self.plans) == planned + 1 else None
+        index = self._place(frame, dynamic, inputs, number) if len(self.plans) == planned + 1 else None
         if self.head_report.dropped_outputs:
             compiled = _with_none_at(compiled, self.head_report.dropped_outputs)
         return _counted(compiled, self, index if self._count_runs else None)
 
-    def _place(self, frame: tuple[int, int] | None, dynamic: bool, number: int) -> int:
+    def _place(self, frame: tuple[int, int] | None, dynamic: bool, inputs: frozenset[str], number: int) -> int:
         """The index in `plans` of the plan just appended: where a graph with symbolic sizes
         recompiles a function that has a plan, that plan's place (Note [A recompile's plan])."""
         index = len(self.plans) - 1
@@ -449,13 +449,13 @@ class CkptBackend:
             return index
         function, compile_ = frame
         earlier = self._by_function.get(function)
-        if dynamic and earlier is not None and earlier.compile != compile_:
+        if dynamic and earlier is not None and earlier.compile != compile_ and earlier.inputs == inputs:
             self.superseded.append(self.plans[earlier.index])
             self.plans[earlier.index] = self.plans.pop()
             index = earlier.index
             self._say("ckpt_fx: graph %d serves graph %d's function at any size: its plan replaces graph %d's in "
                       "`plans`", number, earlier.graph, earlier.graph)
-        self._by_function[function] = _FunctionPlan(compile=compile_, index=index, graph=number)
+        self._by_function[function] = _FunctionPlan(compile=compile_, index=index, graph=number, inputs=inputs)
         return index
 
     def _say(self, message: str, *args: Any) -> None:
@@ -516,10 +516,11 @@ def backend(
 @dataclass(frozen=True)
 class _FunctionPlan:
     """The plan in force for a function Dynamo compiled: which of its compiles made it, its index
-    in `plans`, the backend's number for that graph."""
+    in `plans`, the backend's number for that graph, the names of that graph's tensor inputs."""
     compile: int
     index: int
     graph: int
+    inputs: frozenset[str]
 
 
 def _has_symbolic_sizes(example_inputs: list[Any]) -> bool:
@@ -527,6 +528,13 @@ def _has_symbolic_sizes(example_inputs: list[Any]) -> bool:
     inputs, or a tensor whose shape holds one."""
     return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
                for x in example_inputs)
+
+
+def _tensor_inputs(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The names Dynamo gave the graph's tensor inputs (from their sources: the same for every
+    compile of one function)."""
+    return frozenset(n.name for n in gm.graph.nodes
+                     if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor))
 
 
 def _counted(compiled: Callable[..., Any], backend: CkptBackend, index: int | None) -> Callable[..., Any]:
@@ -561,7 +569,9 @@ def _counted(compiled: Callable[..., Any], backend: CkptBackend, index: int | No
 # step_peak_bytes(plans) would add the first graph's forward leftovers to the second's peak. A
 # recompile with fixed sizes (a changed attribute, dynamic=False) keeps both: the older graph may
 # still run for the inputs it was made for, and a function called more than once a step (a block
-# after a graph break) may run both in one step.
+# after a graph break) may run both in one step. Dynamo numbers functions afresh after
+# torch._dynamo.reset(), so a graph takes a plan's place only where its tensor inputs bear the
+# same names (from the same sources) as well.
 #
 # Note [Plans of cached graphs]
 # Under Inductor, a graph compiled by an earlier process with the same policy and options is

@@ -139,6 +139,30 @@ def test_the_recompile_that_makes_a_graph_dynamic_takes_the_first_plans_place():
     assert len(static.plans) == 2 and not static.superseded
 
 
+def test_after_a_dynamo_reset_another_function_keeps_its_own_plan():
+    """Note [A recompile's plan]: Dynamo numbers functions afresh after a reset; a backend used on
+    before it keeps the earlier function's plan when another function, numbered as it was, turns
+    dynamic."""
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = make(SPEC)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    b = ckpt_fx.backend(policy=EVERY, strict=True)
+    torch.compile(make(SPEC), backend=b)(inputs(SPEC, 4, 16)).sin().sum().backward()
+    (first,) = b.plans
+    torch._dynamo.reset()
+    other = torch.compile(Wrapped(), backend=b)
+    with torch.no_grad():
+        other(inputs(SPEC, 4, 16))  # compiled without a plan: nothing records gradients
+    other(inputs(SPEC, 4, 24)).sin().sum().backward()  # a recompile, dynamic
+    assert len(b.plans) == 2 and b.plans[0] is first and b.plans[1].symbols and not b.superseded
+
+
 def test_retain_graph_and_a_second_backward():
     model, x = make(SPEC), inputs(SPEC, 2, 8)
     m = copy.deepcopy(model)
