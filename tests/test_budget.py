@@ -393,7 +393,7 @@ def test_the_search_plans_the_neighbour_of_a_candidate_near_the_limit():
     assert len(planned) <= 3, [saved[i] for i in planned]
 
 
-@pytest.mark.parametrize("error", [-0.99, 100.0])
+@pytest.mark.parametrize("error", [-0.99, pytest.param(100.0, marks=pytest.mark.slow)])
 def test_torchs_plan_beyond_reach_is_not_scheduled_whole(monkeypatch, error):
     """Note [Torch's plan beyond reach]: under Inductor, torch's plan's whole backward is scheduled
     only where its peak block by block is within BLOCKWISE_ERROR of the limit, or, when none of

@@ -434,6 +434,7 @@ def test_several_gpus_under_fsdp2_hold_a_shard_each_and_the_fewest_that_fit_is_f
             fit(model, ids, ids, policies=policies, **bad)
 
 
+@pytest.mark.slow  # fit's step against a measured one: the default run keeps fp32, bf16-mixed and a bf16 LoRA base
 def test_gradient_accumulation_is_predicted_within_ten_percent_and_suggested():
     """--grad-accum 2: the first micro-batch's gradients are held through the second's forward and
     backward; against a measured step of two micro-batches. When a batch does not fit, accumulating

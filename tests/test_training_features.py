@@ -65,6 +65,7 @@ def test_gradient_accumulation_and_optimizer_steps_match_eager():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # dynamic=True from the first call; a graph turned dynamic by a recompile is checked in the default run
 def test_dynamic_sequence_length_compiles_once_and_keeps_the_saving():
     model = make(SPEC)
     b = ckpt_fx.backend(policy=EVERY, strict=True)
@@ -139,6 +140,7 @@ def test_the_recompile_that_makes_a_graph_dynamic_takes_the_first_plans_place():
     assert len(static.plans) == 2 and not static.superseded
 
 
+@pytest.mark.slow  # a guard against a reset's renumbering; the recompile's replacement itself is checked in the default run
 def test_after_a_dynamo_reset_another_function_keeps_its_own_plan():
     """Note [A recompile's plan]: Dynamo numbers functions afresh after a reset; a backend used on
     before it keeps the earlier function's plan when another function, numbered as it was, turns
@@ -184,6 +186,7 @@ def test_double_backward_fails_with_a_clear_message():
         sum(g.pow(2).sum() for g in grads).backward()
 
 
+@pytest.mark.slow  # Inductor over many lengths: tests/test_user_path.py's slow checks run the same path on a transformers Llama
 def test_under_inductor_one_graph_and_one_plan_serve_every_sequence_length():
     """Note [Predicting adds no guards] in passes/inductor_memory.py: Inductor's memory prediction
     lowers graphs that never run; a guard it added specialized the sequence length, and dynamo
