@@ -412,7 +412,7 @@ class CkptBackend:
             ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
             self._say("ckpt_fx: graph %d: %d ops traced; planning (%s) and compiling with %s ...", number, ops,
                       policies.policy_name(self.options.policy), inner)
-        frame, dynamic, inputs = compiling_frame(), _has_symbolic_sizes(example_inputs), _tensor_inputs(gm)
+        frame, inputs = compiling_frame(), _tensor_inputs(gm)
         hits, self._planning_s, started = autograd_cache_hits(), 0.0, time.perf_counter()
         # Note [Compiling on a fresh stack chunk] in passes/steps.py
         compiled = on_a_fresh_stack(lambda: compile_fn(gm, example_inputs))
@@ -436,20 +436,21 @@ class CkptBackend:
         elif training:
             self._say("ckpt_fx: graph %d compiled in %.1f s, without a plan (nothing in it needs gradients, or it "
                       "fell back: see the warnings)", number, elapsed)
-        index = self._place(frame, dynamic, inputs, number) if len(self.plans) == planned + 1 else None
+        index = self._place(frame, inputs, number) if len(self.plans) == planned + 1 else None
         if self.head_report.dropped_outputs:
             compiled = _with_none_at(compiled, self.head_report.dropped_outputs)
         return _counted(compiled, self, index if self._count_runs else None)
 
-    def _place(self, frame: tuple[int, int] | None, dynamic: bool, inputs: frozenset[str], number: int) -> int:
+    def _place(self, frame: tuple[int, int] | None, inputs: frozenset[str], number: int) -> int:
         """The index in `plans` of the plan just appended: where a graph with symbolic sizes
-        recompiles a function that has a plan, that plan's place (Note [A recompile's plan])."""
+        recompiles a function that has a plan (the new plan has size symbols), that plan's place
+        (Note [A recompile's plan])."""
         index = len(self.plans) - 1
         if frame is None:
             return index
         function, compile_ = frame
         earlier = self._by_function.get(function)
-        if dynamic and earlier is not None and earlier.compile != compile_ and earlier.inputs == inputs:
+        if self.plans[-1].symbols and earlier is not None and earlier.compile != compile_ and earlier.inputs == inputs:
             self.superseded.append(self.plans[earlier.index])
             self.plans[earlier.index] = self.plans.pop()
             index = earlier.index
@@ -521,13 +522,6 @@ class _FunctionPlan:
     index: int
     graph: int
     inputs: frozenset[str]
-
-
-def _has_symbolic_sizes(example_inputs: list[Any]) -> bool:
-    """Whether Dynamo traced the graph with symbolic sizes (a dynamic graph): a size among its
-    inputs, or a tensor whose shape holds one."""
-    return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
-               for x in example_inputs)
 
 
 def _tensor_inputs(gm: torch.fx.GraphModule) -> frozenset[str]:
